@@ -1,0 +1,109 @@
+"""Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv).
+
+    python convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf
+
+The folder keeps its config.json and tokenizer files; generate.py reads them from beside model.pth.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from model import EagletError, ModelArgs
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def load_hf_weights(checkpoint_dir: Path) -> dict:
+    """All tensors of a checkpoint: single file or sharded, safetensors or .bin."""
+    for name in WEIGHT_FILES:
+        if (checkpoint_dir / name).is_file():
+            break
+    else:
+        raise EagletError(f"no weights in {checkpoint_dir} (looked for {', '.join(WEIGHT_FILES)})")
+    path = checkpoint_dir / name
+    files = [path]
+    if name.endswith(".index.json"):
+        weight_map = json.loads(path.read_text())["weight_map"]
+        files = [checkpoint_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise EagletError(f"{checkpoint_dir}: shards listed in {name} are missing: {', '.join(missing)}")
+    weights = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            weights.update(load_file(str(f)))
+        else:
+            weights.update(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True))
+    return weights
+
+
+def convert_layer(weights: dict, src: str, dst: str) -> dict:
+    """One decoder layer from Hugging Face names (prefix src) to ours (prefix dst). Pops what it uses."""
+    attn, mlp = f"{src}self_attn.", f"{src}mlp."
+    out = {
+        f"{dst}attention.wqkv.weight": torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "qkv"]),
+        f"{dst}attention.wo.weight": weights.pop(f"{attn}o_proj.weight"),
+        f"{dst}feed_forward.w13.weight": torch.cat([weights.pop(f"{mlp}gate_proj.weight"),
+                                                    weights.pop(f"{mlp}up_proj.weight")]),
+        f"{dst}feed_forward.w2.weight": weights.pop(f"{mlp}down_proj.weight"),
+        f"{dst}ffn_norm.weight": weights.pop(f"{src}post_attention_layernorm.weight"),
+    }
+    if f"{attn}q_proj.bias" in weights:
+        out[f"{dst}attention.wqkv.bias"] = torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])
+    if f"{attn}o_proj.bias" in weights:
+        out[f"{dst}attention.wo.bias"] = weights.pop(f"{attn}o_proj.bias")
+    if f"{src}input_layernorm.weight" in weights:
+        out[f"{dst}attention_norm.weight"] = weights.pop(f"{src}input_layernorm.weight")
+    return out
+
+
+def convert_target(checkpoint_dir: Path, config: dict) -> dict:
+    args = ModelArgs.from_hf_config(config)
+    weights = {k: v for k, v in load_hf_weights(checkpoint_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+    try:
+        out = {"tok_embeddings.weight": weights.pop("model.embed_tokens.weight"),
+               "norm.weight": weights.pop("model.norm.weight")}
+        for i in range(args.n_layer):
+            out.update(convert_layer(weights, f"model.layers.{i}.", f"layers.{i}."))
+    except KeyError as e:
+        raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
+    if "lm_head.weight" in weights:
+        out["output.weight"] = weights.pop("lm_head.weight")
+    elif not args.tie_word_embeddings:
+        raise EagletError(f"{checkpoint_dir}: lm_head.weight is missing and tie_word_embeddings is false")
+    if weights:
+        raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])}")
+    return out
+
+
+def convert(checkpoint_dir) -> Path:
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.is_file():
+        raise EagletError(f"no config.json in {checkpoint_dir}")
+    config = json.loads(config_path.read_text())
+    out_path = checkpoint_dir / "model.pth"
+    torch.save(convert_target(checkpoint_dir, config), out_path)
+    return out_path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint_dir", required=True, help="Hugging Face checkpoint folder")
+    args = parser.parse_args(argv)
+    try:
+        out_path = convert(args.checkpoint_dir)
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""A LLaMA-family decoder (LLaMA-2/3/3.1/3.2, Vicuna, Mistral, Qwen2) with a static KV cache.
+
+One forward serves prefill, one-token decode and a token tree: the caller passes the token ids,
+their RoPE positions, the cache slots their K/V go to, and a boolean mask over the whole cache.
+It returns the logits (optionally only at some positions) and the last hidden state after the
+final norm: the feature an EAGLE draft head reads.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class EagletError(Exception):
+    """A user mistake (bad path, bad checkpoint, bad value): printed as one line by the CLIs."""
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_local_heads: int = -1  # key/value heads (GQA); -1 means n_head
+    head_dim: int = 0  # 0 means dim // n_head
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    extra: dict = field(default_factory=dict)  # eos/bos ids and anything else worth keeping
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_head
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelArgs":
+        model_type = config.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise EagletError(f"unsupported architecture {model_type or config.get('architectures')!r}; "
+                              f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if config.get("mlp_bias"):
+            raise EagletError("mlp_bias=true is not supported")
+        # transformers >= 5 writes rope_parameters; published checkpoints use rope_theta + rope_scaling.
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_base = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise EagletError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+        sliding = config.get("sliding_window")
+        if model_type == "qwen2" and not config.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layer=config["num_hidden_layers"],
+            n_head=config["num_attention_heads"],
+            n_local_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim") or 0, intermediate_size=config["intermediate_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-5), rope_base=float(rope_base),
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=config.get("max_position_embeddings", 4096), sliding_window=sliding,
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
+            o_bias=model_type == "llama" and bool(config.get("attention_bias")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), model_type=model_type,
+            extra={k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
+        )
+
+    @classmethod
+    def from_checkpoint_dir(cls, checkpoint_dir) -> "ModelArgs":
+        path = Path(checkpoint_dir) / "config.json"
+        if not path.is_file():
+            raise EagletError(f"no config.json in {checkpoint_dir}")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling["factor"]
+    if rope_type == "linear":
+        return (inv_freq / factor).float()
+    # llama3: long wavelengths are divided by factor, short ones kept, the middle band interpolated.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen < old_len / high, inv_freq, scaled)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, scaled)
+    return scaled.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # Hugging Face layout: the two rotated halves are the first and second half of head_dim.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, cache_slots: Tensor, k: Tensor, v: Tensor):
+        bsz = k.shape[0]
+        self.k_cache[:bsz].index_copy_(2, cache_slots, k)
+        self.v_cache[:bsz].index_copy_(2, cache_slots, v)
+        return self.k_cache[:bsz], self.v_cache[:bsz]
+
+    def compact(self, src_slots: Tensor, dst_slots: Tensor):
+        # index_select copies first, so overlapping source and destination ranges are safe.
+        self.k_cache.index_copy_(2, dst_slots, self.k_cache.index_select(2, src_slots))
+        self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
+        qkv_dim = (self.n_head + 2 * self.n_kv) * self.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.o_bias)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(cache_slots, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, input_norm: bool = True):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        # EAGLE-1/2 draft heads drop the input norm of their only layer.
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, cache_slots, mask):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache_slots, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position of the cache, indexed by a position tensor (compile friendly)."""
+
+    def __init__(self, head_dim, base, scaling, max_seq_length, device=None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, base, scaling).to(device)
+        freqs = torch.outer(torch.arange(max_seq_length, device=device, dtype=torch.float32), inv_freq)
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, input_pos: Tensor, dtype):
+        return self.cos[input_pos].to(dtype), self.sin[input_pos].to(dtype)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope: Optional[RotaryTable] = None
+        self.max_seq_length = 0
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        args = self.args
+        if max_seq_length > args.max_position_embeddings:
+            raise EagletError(f"{max_seq_length} tokens exceed the model's max_position_embeddings "
+                              f"({args.max_position_embeddings})")
+        if args.sliding_window and max_seq_length > args.sliding_window:
+            raise EagletError(f"{max_seq_length} tokens exceed the sliding window ({args.sliding_window}); "
+                              "eaglet treats attention as full, which is exact only within the window")
+        weight = self.output.weight
+        self.max_seq_length = max_seq_length
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_local_heads,
+                                               args.head_dim, weight.dtype).to(weight.device)
+        self.rope = RotaryTable(args.head_dim, args.rope_base, args.rope_scaling, max_seq_length, weight.device)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,
+                logits_idx: Optional[Tensor] = None):
+        """idx [B, T]; input_pos and cache_slots [T]; mask [T, max_seq_length] (True = may attend).
+
+        Returns (logits at logits_idx, or at every position; hidden state after the final norm [B, T, dim]).
+        """
+        x = self.tok_embeddings(idx)
+        cos, sin = self.rope(input_pos, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache_slots, mask)
+        hidden = self.norm(x)
+        selected = hidden if logits_idx is None else hidden[:, logits_idx]
+        return self.output(selected), hidden
+
+    def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
+        """Copy K/V from src_slots to dst_slots in every layer, in place (accepted tree path -> context)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.compact(src_slots, dst_slots)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=torch.float32) -> "Transformer":
+        checkpoint_path = Path(checkpoint_path)
+        if not checkpoint_path.is_file():
+            raise EagletError(f"checkpoint not found: {checkpoint_path} "
+                              "(run convert_hf_checkpoint.py --checkpoint_dir on its folder first)")
+        args = ModelArgs.from_checkpoint_dir(checkpoint_path.parent)
+        with torch.device("meta"):
+            model = cls(args)
+        state_dict = load_state_dict(checkpoint_path)
+        if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
+            state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
+        try:
+            model.load_state_dict(state_dict, assign=True)
+        except RuntimeError as e:
+            raise EagletError(f"{checkpoint_path} does not match its config.json: {str(e).splitlines()[0]}")
+        if args.tie_word_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def load_state_dict(path) -> dict:
+    try:
+        state_dict = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise EagletError(f"cannot read {path}: {str(e).splitlines()[0]}")
+    if not isinstance(state_dict, dict):
+        raise EagletError(f"{path} is not a state dict")
+    return state_dict
+
+
+def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:
+    """Each token sees every cache slot up to its own position (context written at slot == position)."""
+    return torch.arange(max_seq_length, device=input_pos.device) <= input_pos[:, None]
