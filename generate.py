@@ -163,17 +163,21 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
 
 
 class TextStreamer:
-    """Prints text as tokens arrive, decoding the whole reply so that multi-token characters come out whole."""
+    """Prints text as tokens arrive. Decodes the whole reply after the prompt's last token, so that word
+    boundaries (sentencepiece's leading spaces) and multi-token characters come out right."""
 
-    def __init__(self, tokenizer: Tokenizer, enabled: bool = True):
-        self.tokenizer, self.enabled, self.tokens, self.printed = tokenizer, enabled, [], ""
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True):
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.tokens = [t for t in prompt_tokens[-1:] if t not in tokenizer.eos_ids]
+        self.skip = len(tokenizer.decode(self.tokens))
+        self.printed = 0
 
     def __call__(self, new_tokens: list):
         self.tokens.extend(t for t in new_tokens if t not in self.tokenizer.eos_ids)
-        text = self.tokenizer.decode(self.tokens)
+        text = self.tokenizer.decode(self.tokens)[self.skip:]
         if self.enabled and not text.endswith("\ufffd"):
-            print(text[len(self.printed):], end="", flush=True)
-            self.printed = text
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)
 
 
 def report(result: GenerationResult, model: Transformer, device: str):
@@ -186,7 +190,7 @@ def run_once(args, model, tokenizer, prompt, sampling, decode_fn):
     result = None
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
-        streamer = TextStreamer(tokenizer)
+        streamer = TextStreamer(tokenizer, prompt)
         print(f"--- sample {i + 1}/{args.num_samples}" + (" (includes compilation)" if args.compile and i == 0 else ""))
         print(args.prompt, end="", flush=True)
         result = generate(model, prompt, args.max_new_tokens, sampling, tokenizer.eos_ids,
@@ -215,7 +219,7 @@ def run_interactive(args, model, tokenizer, sampling, decode_fn):
         while start < min(len(cached), len(prompt) - 1) and cached[start] == prompt[start]:
             start += 1
         print("Assistant: ", end="", flush=True)
-        streamer = TextStreamer(tokenizer)
+        streamer = TextStreamer(tokenizer, prompt)
         try:
             result = generate(model, prompt, args.max_new_tokens, sampling, tokenizer.eos_ids, start_pos=start,
                               on_tokens=streamer, decode_fn=decode_fn)

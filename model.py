@@ -97,15 +97,12 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor
     factor = scaling["factor"]
     if rope_type == "linear":
         return (inv_freq / factor).float()
-    # llama3: long wavelengths are divided by factor, short ones kept, the middle band interpolated.
+    # llama3: wavelengths beyond old_len / low are slowed down by factor, those below old_len / high
+    # kept, the band between interpolated; the clamp does all three.
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
-    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen < old_len / high, inv_freq, scaled)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, scaled)
-    return scaled.float()
+    smooth = ((old_len * inv_freq / (2 * math.pi) - low) / (high - low)).clamp(0, 1)
+    return ((1 - smooth) * inv_freq / factor + smooth * inv_freq).float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -1,0 +1,163 @@
+"""Plain decoding through the CLI against transformers, and the errors a user can run into."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate
+from conftest import ROOT, SHARED, make_hf_checkpoint, write_tokenizer
+from convert_hf_checkpoint import convert
+from convert_hf_checkpoint import main as convert_main
+
+PROMPTS = ["w5 w17 w42", "w3", "w60 w61 w62 w63 w64 w65 w66"]
+
+
+def run_cli(tmp_path, argv):
+    out = tmp_path / "out.json"
+    generate.main(argv + ["--json_out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", ["llama2", "llama31", "qwen2"])
+def test_greedy_cli_matches_transformers_generate(checkpoints, tmp_path, kind):
+    path, hf = checkpoints(kind)
+    for prompt in PROMPTS:
+        result = run_cli(tmp_path, ["--checkpoint_path", str(path / "model.pth"), "--prompt", prompt,
+                                    "--max_new_tokens", "24", "--temperature", "0", "--device", "cpu"])
+        ids = torch.tensor([result["prompt_tokens"]])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                          eos_token_id=2, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert result["tokens"] == ref
+        assert result["prompt_tokens"][0] == 1 and len(result["prompt_tokens"]) == len(prompt.split()) + 1
+
+
+def test_chat_uses_the_checkpoint_template(checkpoints, tmp_path):
+    path, _ = checkpoints("llama2")
+    result = run_cli(tmp_path, ["--checkpoint_path", str(path / "model.pth"), "--prompt", "w7 w8", "--chat",
+                                "--max_new_tokens", "3", "--device", "cpu"])
+    tok = generate.Tokenizer(path)
+    assert result["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 w8 assistant:")
+
+
+def test_sampling_is_seeded_and_respects_top_k(checkpoints, tmp_path):
+    path, _ = checkpoints("llama2")
+    argv = ["--checkpoint_path", str(path / "model.pth"), "--prompt", "w5", "--max_new_tokens", "16",
+            "--temperature", "1.0", "--top_k", "1", "--seed", "3", "--device", "cpu"]
+    greedy = run_cli(tmp_path, argv[:6] + ["--device", "cpu"])
+    assert run_cli(tmp_path, argv)["tokens"] == greedy["tokens"]  # top_k 1 is greedy
+    argv[argv.index("--top_k") + 1] = "0"
+    assert run_cli(tmp_path, argv)["tokens"] == run_cli(tmp_path, argv)["tokens"]
+
+
+def test_sampling_distribution_processing():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = generate.logits_to_probs(logits, generate.SamplingConfig(temperature=0.5, top_p=0.9))
+    full = torch.softmax(logits / 0.5, -1)
+    assert full[0, 0] < 0.9 < full[0, :2].sum()  # so top_p keeps exactly two tokens
+    assert torch.allclose(probs, torch.cat([full[:, :2] / full[0, :2].sum(), torch.zeros(1, 2)], -1))
+    probs = generate.logits_to_probs(logits, generate.SamplingConfig(temperature=1.0, top_k=3))
+    assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.softmax(logits[0, :3], -1))
+
+
+def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatch, capsys):
+    path, _ = checkpoints("llama2")
+    turns = iter(["w5 w6", "w7"])
+
+    def fake_input(prompt):
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError
+    calls = []
+    real_generate = generate.generate
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr(generate, "generate", lambda *a, **k: calls.append((a, k)) or real_generate(*a, **k))
+    generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--max_new_tokens", "5",
+                   "--device", "cpu", "--max_seq_length", "128"])
+    assert len(calls) == 2
+    first_prompt, second_prompt = calls[0][0][1], calls[1][0][1]
+    assert second_prompt[:len(first_prompt)] == first_prompt
+    assert calls[1][1]["start_pos"] >= len(first_prompt)  # only the new turn is prefilled
+    assert "Assistant:" in capsys.readouterr().out
+
+
+def expect_error(argv, match, capsys=None):
+    with pytest.raises(SystemExit) as e:
+        generate.main(argv)
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "\n" not in message and match in message, message
+
+
+def test_generate_errors(checkpoints, tmp_path):
+    path, _ = checkpoints("llama2")
+    ckpt = ["--checkpoint_path", str(path / "model.pth"), "--device", "cpu"]
+    expect_error(["--checkpoint_path", str(tmp_path / "nope/model.pth")], "checkpoint not found")
+    expect_error(ckpt + ["--temperature", "-1"], "temperature")
+    expect_error(ckpt + ["--top_p", "0"], "top_p")
+    expect_error(ckpt + ["--top_p", "1.5"], "top_p")
+    expect_error(ckpt + ["--top_k", "-2"], "top_k")
+    expect_error(ckpt + ["--max_new_tokens", "0"], "max_new_tokens")
+    expect_error(ckpt + ["--device", "tpu"], "invalid choice")
+    expect_error(ckpt + ["--precision", "int3"], "invalid choice")
+    expect_error(ckpt + ["--chat", "--chat_template", "nope"], "unknown chat template")
+    expect_error(ckpt + ["--max_new_tokens", "600"], "max_position_embeddings")  # the model has 512
+    expect_error(ckpt + ["--max_new_tokens", "50", "--max_seq_length", "20"], "exceeds the cache")
+
+
+def test_tokenizer_larger_than_model_is_refused(tmp_path):
+    make_hf_checkpoint(tmp_path, "llama2")
+    convert(tmp_path)
+    write_tokenizer(tmp_path, vocab_size=200)
+    expect_error(["--checkpoint_path", str(tmp_path / "model.pth"), "--device", "cpu"], "do not belong together")
+
+
+def test_checkpoint_not_matching_config_is_refused(tmp_path):
+    make_hf_checkpoint(tmp_path, "llama2")
+    convert(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    expect_error(["--checkpoint_path", str(tmp_path / "model.pth"), "--device", "cpu"], "does not match")
+
+
+def expect_convert_error(path, match):
+    with pytest.raises(SystemExit) as e:
+        convert_main(["--checkpoint_dir", str(path)])
+    assert str(e.value.code).startswith("error: ") and match in str(e.value.code), e.value.code
+
+
+def test_convert_errors(tmp_path):
+    expect_convert_error(tmp_path / "missing", "not found")
+    (tmp_path / "empty").mkdir()
+    expect_convert_error(tmp_path / "empty", "no config.json")
+    make_hf_checkpoint(tmp_path / "sharded", "llama2", max_shard_size="100KB")
+    next((tmp_path / "sharded").glob("model-00002-*.safetensors")).unlink()
+    expect_convert_error(tmp_path / "sharded", "missing")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    expect_convert_error(tmp_path / "gpt2", "supported model_type values: llama, mistral, qwen2")
+    make_hf_checkpoint(tmp_path / "noweights", "llama2")
+    (tmp_path / "noweights" / "model.safetensors").unlink()
+    expect_convert_error(tmp_path / "noweights", "no weights")
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(tmp_path / "x.pth")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"error: checkpoint not found: {tmp_path / 'x.pth'}"]
+
+
+@pytest.mark.skipif(not (SHARED / "data/tokenizers/llama2-tokenizer.model").exists(), reason="needs ../shared")
+def test_sentencepiece_tokenizer_and_llama2_chat_format(tmp_path):
+    import shutil
+    shutil.copy(SHARED / "data/tokenizers/llama2-tokenizer.model", tmp_path / "tokenizer.model")
+    tok = generate.Tokenizer(tmp_path)
+    assert tok.vocab_size == 32000 and tok.eos_ids == {2}
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                           {"role": "user", "content": "Bye"}])
+    # Meta's format: each turn encoded as "[INST] {user} [/INST] {answer} " between BOS and EOS.
+    expected = [1] + tok.sp.encode("[INST] Hi [/INST] Hello! ") + [2, 1] + tok.sp.encode("[INST] Bye [/INST]")
+    assert ids == expected
+    assert tok.decode(tok.encode("The quick brown fox", bos=True)) == "The quick brown fox"
