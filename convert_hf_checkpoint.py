@@ -1,8 +1,10 @@
-"""Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv).
+"""Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv),
+or an EAGLE-1/2 draft head folder into DIR/draft.pth; which one it is comes from the folder's contents.
 
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf
+    python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE-llama2-chat-7B
 
-The folder keeps its config.json and tokenizer files; generate.py reads them from beside model.pth.
+The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.
 """
 import argparse
 import json
@@ -12,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from model import EagletError, ModelArgs
+from draft import check_eagle_head, head_args
+from model import SUPPORTED_MODEL_TYPES, EagletError, ModelArgs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -62,9 +65,9 @@ def convert_layer(weights: dict, src: str, dst: str) -> dict:
     return out
 
 
-def convert_target(checkpoint_dir: Path, config: dict) -> dict:
+def convert_target(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
     args = ModelArgs.from_hf_config(config)
-    weights = {k: v for k, v in load_hf_weights(checkpoint_dir).items() if not k.endswith("rotary_emb.inv_freq")}
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     try:
         out = {"tok_embeddings.weight": weights.pop("model.embed_tokens.weight"),
                "norm.weight": weights.pop("model.norm.weight")}
@@ -81,6 +84,28 @@ def convert_target(checkpoint_dir: Path, config: dict) -> dict:
     return out
 
 
+def convert_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
+    """An EAGLE-1/2 head: fc plus one decoder layer. Its copy of the embedding (if any) is dropped:
+    eaglet shares the target's."""
+    args = head_args(config)
+    embed = weights.pop("embed_tokens.weight", None)
+    if embed is not None and tuple(embed.shape) != (config.get("vocab_size"), args.dim):
+        raise EagletError(f"{checkpoint_dir}: embed_tokens {tuple(embed.shape)} does not match config.json")
+    out = {"fc.weight": weights.pop("fc.weight")}
+    if "fc.bias" in weights:
+        out["fc.bias"] = weights.pop("fc.bias")
+    try:
+        out.update(convert_layer(weights, "layers.0.", "layer."))
+    except KeyError as e:
+        raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
+    if config.get("bias", True) != ("fc.bias" in out):
+        raise EagletError(f"{checkpoint_dir}: config.json says bias={config.get('bias', True)} but fc.bias is "
+                          f"{'present' if 'fc.bias' in out else 'missing'}")
+    if weights:
+        raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])}")
+    return out
+
+
 def convert(checkpoint_dir) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -89,8 +114,15 @@ def convert(checkpoint_dir) -> Path:
     if not config_path.is_file():
         raise EagletError(f"no config.json in {checkpoint_dir}")
     config = json.loads(config_path.read_text())
-    out_path = checkpoint_dir / "model.pth"
-    torch.save(convert_target(checkpoint_dir, config), out_path)
+    if config.get("model_type", "llama") not in SUPPORTED_MODEL_TYPES:  # before reading gigabytes of weights
+        ModelArgs.from_hf_config(config)
+    weights = load_hf_weights(checkpoint_dir)
+    if any(k.startswith("model.") for k in weights):
+        out_path, state_dict = checkpoint_dir / "model.pth", convert_target(checkpoint_dir, config, weights)
+    else:  # a draft head: its keys have no "model." prefix
+        check_eagle_head(config, weights, str(checkpoint_dir))
+        out_path, state_dict = checkpoint_dir / "draft.pth", convert_head(checkpoint_dir, config, weights)
+    torch.save(state_dict, out_path)
     return out_path
 
 

@@ -1,4 +1,4 @@
-"""Decode from a converted LLaMA-family checkpoint: plain (autoregressive) decoding.
+"""Decode from a converted LLaMA-family checkpoint: plain decoding, or EAGLE-2 speculative decoding.
 
     python generate.py --checkpoint_path checkpoints/meta-llama/Llama-2-7b-chat-hf/model.pth \\
         --prompt "Hello, my name is" --compile
@@ -8,14 +8,17 @@ import json
 import resource
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from model import EagletError, ModelArgs, Transformer, causal_mask
+from draft import DraftTree, EagleDraft, build_tree
+from model import EagletError, ModelArgs, Transformer, attention_mask, causal_mask
 from tokenizer import Tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,6 +49,11 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per cycle, bonus included."""
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
 
 
 def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
@@ -88,10 +96,10 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     return sample(logits[:, -1], sampling)
 
 
-def compile_decode(device: str):
+def compile_step(step_fn: Callable, device: str):
     # CUDA graphs only make sense on CUDA; on CPU inductor alone still fuses the small ops.
     mode = "reduce-overhead" if device.startswith("cuda") else None
-    return torch.compile(decode_one_token, mode=mode, fullgraph=True)
+    return torch.compile(step_fn, mode=mode, fullgraph=True)
 
 
 def device_sync(device):
@@ -99,30 +107,134 @@ def device_sync(device):
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class TreeConfig:
+    depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
+    topk: int = 10  # children per expanded node, and nodes kept per level
+    total_tokens: int = 60  # tokens the target verifies per cycle, root included
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1:
+            raise EagletError(f"depth and tree_topk must be at least 1, got {self.depth} and {self.topk}")
+        pool = self.topk + self.depth * self.topk ** 2
+        if not 2 <= self.total_tokens <= pool + 1:
+            raise EagletError(f"total_tokens must be between 2 and {pool + 1} (1 + tree_topk + depth * "
+                              f"tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots needed past the context: the verified tree, the draft's levels, the catch-up."""
+        return max(self.total_tokens, self.depth * self.topk, self.depth + 2)
+
+
+def draft_step(target: Transformer, draft: EagleDraft, tokens, features, input_pos, slots, mask) -> Tensor:
+    """Draft outputs [T, dim] for tokens [T] paired with features [T, dim] (f_t, or a parent's output)."""
+    return draft(target.tok_embeddings(tokens)[None], features[None], input_pos, slots, mask)[0]
+
+
+def draft_logp(target: Transformer, h: Tensor) -> Tensor:
+    return torch.log_softmax(target.output(h).float(), dim=-1)
+
+
+def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
+    """The longest path of the tree the target agrees with, and the bonus token after it.
+
+    At every node the target picks its own next token: argmax (greedy), or one draw from its processed
+    distribution p. A child is accepted iff it is its parent's pick. For sampling this IS the recursive
+    rule of DESIGN.md (try the children in order, accept x with probability p(x), zero and renormalise on
+    rejection, bonus from what is left): with deterministic drafts that rule accepts child x with
+    probability exactly p(x), and otherwise yields a draw from p restricted to the non-children -- the
+    same as one draw x ~ p, taken as the accepted child if it is one and as the bonus if not.
+    Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus).
+    """
+    pick = sample(logits, sampling)  # [N]
+    correct = tree.tokens == pick[tree.parents]
+    correct[0] = True
+    accepted = (tree.ancestors & ~correct[None]).sum(dim=1) == 0  # the node and all its ancestors correct
+    best = torch.where(accepted, tree.depths, -1).argmax()  # siblings differ, so accepted nodes form a chain
+    at_depth = tree.ancestors[best][None] & (tree.depths[None] == torch.arange(levels, device=pick.device)[:, None])
+    path = at_depth.int().argmax(dim=1)
+    return path, tree.depths[best], pick[best]
+
+
+def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_len: Tensor, h_last: Tensor,
+                      tree_config: TreeConfig, sampling: SamplingConfig):
+    """One EAGLE-2 cycle with fixed shapes: draft tree, one verify forward, acceptance, KV commit, catch-up.
+
+    On entry the target's cache holds ctx_len tokens, root is the next token (not yet in the cache) and
+    h_last the draft's output for its last pair (f_{ctx_len-1}, root). Returns the emitted tokens (padded
+    to depth + 2), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
+    and h_last. Nothing here reads a value back to the host.
+    """
+    size = target.max_seq_length
+    levels = tree_config.depth + 2  # root + up to depth + 1 accepted drafts
+    tree = build_tree(lambda *a: draft_step(target, draft, *a), lambda h: draft_logp(target, h), h_last, root,
+                      ctx_len, tree_config.topk, tree_config.depth, tree_config.total_tokens, size)
+    slots = ctx_len + torch.arange(tree_config.total_tokens, device=root.device)
+    mask = attention_mask(ctx_len, tree.ancestors, size)
+    logits, features = target(tree.tokens[None], ctx_len + tree.depths, slots, mask)
+    path, n_accepted, bonus = accept(tree, logits[0], sampling, levels)
+    steps = torch.arange(levels, device=root.device)
+    emitted = torch.where(steps == n_accepted, bonus, tree.tokens[path.roll(-1)])
+    target.compact_kv(ctx_len + path, ctx_len + steps)
+    # Catch-up: the draft sees the new pairs (f_t, x_{t+1}) with the target's true features.
+    pos = ctx_len + steps
+    h = draft_step(target, draft, emitted, features[0, path], pos, pos, causal_mask(pos, size))
+    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h[n_accepted]
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
-             decode_fn: Callable = decode_one_token) -> GenerationResult:
-    """Plain decoding. The cache must already hold prompt_tokens[:start_pos] (multi-turn chat reuse)."""
-    check_fits(model, len(prompt_tokens), max_new_tokens)
+             draft: Optional[EagleDraft] = None, tree: Optional[TreeConfig] = None,
+             step_fn: Optional[Callable] = None) -> GenerationResult:
+    """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
+
+    The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
+    decode_one_token / speculative_cycle (their compiled versions).
+    """
+    tree = tree or TreeConfig()
+    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
     device = model.output.weight.device
     device_sync(device)
     t0 = time.perf_counter()
-    new = torch.tensor([prompt_tokens[start_pos:]], dtype=torch.long, device=device)
-    logits, _ = prefill(model, new, start_pos)
+    # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
+    first = max(start_pos - 1, 0) if draft else start_pos
+    logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
     token = sample(logits, sampling)
-    input_pos = torch.tensor([len(prompt_tokens)], dtype=torch.long, device=device)
-    tokens = []
-    while True:
-        tokens.append(token.item())
+    tokens, accept_lengths = [], []
+
+    def emit(new: list) -> bool:  # keep new tokens up to EOS or max_new_tokens; True when done
+        start = len(tokens)
+        for t in new:
+            tokens.append(t)
+            if t in eos_ids or len(tokens) == max_new_tokens:
+                break
         if on_tokens:
-            on_tokens(tokens[-1:])
-        if tokens[-1] in eos_ids or len(tokens) == max_new_tokens:
-            break
-        token = decode_fn(model, token.view(1, 1), input_pos, sampling).clone()
-        input_pos += 1
+            on_tokens(tokens[start:])
+        return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
+
+    done = emit([token.item()])
+    ctx_len = torch.tensor(len(prompt_tokens), device=device)
+    if draft is not None:
+        step_fn = step_fn or speculative_cycle
+        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], device=device), token])
+        pos = torch.arange(first, len(prompt_tokens), device=device)
+        h_last = draft_step(model, draft, pairs, features[0], pos, pos, causal_mask(pos, draft.max_seq_length))[-1]
+    while not done:
+        if draft is None:
+            token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling).clone()
+            ctx_len += 1
+            new = [token.item()]
+        else:
+            emitted, n_accepted, token, ctx_len, h_last = [
+                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
+            out = torch.cat([n_accepted.view(1), emitted]).tolist()  # the one host sync of the cycle
+            new = out[1:out[0] + 2]
+            accept_lengths.append(len(new))
+        done = emit(new)
     device_sync(device)
-    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0)
+    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
 
 
 def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: int = 0):
@@ -162,6 +274,14 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
     return model
 
 
+def load_draft(checkpoint_path, target: Transformer) -> EagleDraft:
+    """An EAGLE-1/2 head for this target, on its device and in its dtype, with a cache as long as its."""
+    weight = target.output.weight
+    draft = EagleDraft.from_checkpoint(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
+    draft.setup_caches(target.max_seq_length)
+    return draft
+
+
 class TextStreamer:
     """Prints text as tokens arrive. Decodes the whole reply after the prompt's last token, so that word
     boundaries (sentencepiece's leading spaces) and multi-token characters come out right."""
@@ -184,25 +304,29 @@ def report(result: GenerationResult, model: Transformer, device: str):
     tps = result.tokens_per_s
     print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {tps:.2f} tokens/s, "
           f"bandwidth {weight_bytes(model) * tps / 1e9:.2f} GB/s, peak memory {peak_memory_gb(device):.2f} GB")
+    if result.accept_lengths:
+        counts = Counter(result.accept_lengths)
+        histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
+        print(f"tau {result.tau:.2f} tokens per cycle over {len(result.accept_lengths)} cycles "
+              f"(tokens per cycle: count -- {histogram})")
 
 
-def run_once(args, model, tokenizer, prompt, sampling, decode_fn):
+def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, model: Transformer):
     result = None
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
-        streamer = TextStreamer(tokenizer, prompt)
         print(f"--- sample {i + 1}/{args.num_samples}" + (" (includes compilation)" if args.compile and i == 0 else ""))
         print(args.prompt, end="", flush=True)
-        result = generate(model, prompt, args.max_new_tokens, sampling, tokenizer.eos_ids,
-                          on_tokens=streamer, decode_fn=decode_fn)
+        result = gen(prompt, args.max_new_tokens, on_tokens=TextStreamer(tokenizer, prompt))
         report(result, model, args.device)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({
-            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens,
-            "text": tokenizer.decode(result.tokens), "tokens_per_s": result.tokens_per_s}))
+            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+            "tokens_per_s": result.tokens_per_s, "accept_lengths": result.accept_lengths,
+            "cycles": len(result.accept_lengths)}))
 
 
-def run_interactive(args, model, tokenizer, sampling, decode_fn):
+def run_interactive(args, gen: Callable, tokenizer: Tokenizer, model: Transformer):
     """Multi-turn chat; the conversation's KV stays in the cache and only new tokens are prefilled."""
     messages, cached = [], []
     torch.manual_seed(args.seed)
@@ -219,12 +343,10 @@ def run_interactive(args, model, tokenizer, sampling, decode_fn):
         while start < min(len(cached), len(prompt) - 1) and cached[start] == prompt[start]:
             start += 1
         print("Assistant: ", end="", flush=True)
-        streamer = TextStreamer(tokenizer, prompt)
         try:
-            result = generate(model, prompt, args.max_new_tokens, sampling, tokenizer.eos_ids, start_pos=start,
-                              on_tokens=streamer, decode_fn=decode_fn)
+            result = gen(prompt, args.max_new_tokens, start_pos=start, on_tokens=TextStreamer(tokenizer, prompt))
         except EagletError as e:
-            print(f"\nerror: {e}; start a new conversation")
+            print(f"\nerror: {e}; starting a new conversation")
             messages, cached = [], []
             continue
         report(result, model, args.device)
@@ -236,6 +358,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth written by convert_hf_checkpoint.py")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="draft.pth of an EAGLE-1/2 head: switches to EAGLE-2 speculative decoding")
+    p.add_argument("--depth", type=int, default=6, help="draft tree expansion steps")
+    p.add_argument("--tree_topk", type=int, default=10, help="children per node and nodes kept per level")
+    p.add_argument("--total_tokens", type=int, default=60, help="tokens verified per cycle, root included")
     p.add_argument("--prompt", default="Hello, my name is")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -245,12 +372,12 @@ def parse_args(argv=None):
     p.add_argument("--num_samples", type=int, default=1, help="generate this many times (timing)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--chat_template", default="auto", help="auto (the checkpoint's own), llama2 or vicuna")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
     p.add_argument("--max_seq_length", type=int, default=None,
-                   help="cache size; default: prompt + max_new_tokens, or 4096 with --interactive")
+                   help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
     p.add_argument("--json_out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
@@ -264,9 +391,11 @@ def main(argv=None):
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
         if not args.checkpoint_path.is_file():
             raise EagletError(f"checkpoint not found: {args.checkpoint_path}")
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
+        scratch = tree.scratch if args.draft_checkpoint_path else 0
         if args.interactive:
             prompt = None
             max_positions = ModelArgs.from_checkpoint_dir(args.checkpoint_path.parent).max_position_embeddings
@@ -274,16 +403,22 @@ def main(argv=None):
         else:
             prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
                 else tokenizer.encode(args.prompt)
-            max_seq_length = args.max_seq_length or len(prompt) + args.max_new_tokens
+            max_seq_length = args.max_seq_length or len(prompt) + args.max_new_tokens + scratch
         model = load_target(args.checkpoint_path, args.device, args.precision, max_seq_length)
         if tokenizer.vocab_size > model.args.vocab_size:
             raise EagletError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.args.vocab_size}: they do not belong together")
-        decode_fn = compile_decode(args.device) if args.compile else decode_one_token
+        draft = load_draft(args.draft_checkpoint_path, model) if args.draft_checkpoint_path else None
+        if draft is not None and tree.topk > model.args.vocab_size:
+            raise EagletError(f"tree_topk {tree.topk} exceeds the vocabulary ({model.args.vocab_size})")
+        step_fn = speculative_cycle if draft is not None else decode_one_token
+        step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
+        gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
+                      step_fn=step_fn)
         if args.interactive:
-            run_interactive(args, model, tokenizer, sampling, decode_fn)
+            run_interactive(args, gen, tokenizer, model)
         else:
-            run_once(args, model, tokenizer, prompt, sampling, decode_fn)
+            run_once(args, gen, tokenizer, prompt, model)
     except EagletError as e:
         sys.exit(f"error: {e}")
 

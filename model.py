@@ -280,6 +280,20 @@ def load_state_dict(path) -> dict:
     return state_dict
 
 
+def attention_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tensor:
+    """The one mask builder: [T, max_seq_length] booleans for T tokens written at slots ctx_len.. .
+
+    Every token sees the context (slots < ctx_len); among the block's own slots ctx_len..ctx_len+W-1 it
+    sees what `block` [T, W] allows: lower-triangular for prefill, ancestors-and-self for a tree.
+    """
+    cols = torch.arange(max_seq_length, device=block.device)
+    rel = cols - ctx_len
+    in_block = (rel >= 0) & (rel < block.shape[1])
+    return (cols < ctx_len) | (block.index_select(1, rel.clamp(0, block.shape[1] - 1)) & in_block)
+
+
 def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:
-    """Each token sees every cache slot up to its own position (context written at slot == position)."""
-    return torch.arange(max_seq_length, device=input_pos.device) <= input_pos[:, None]
+    """Tokens at consecutive positions input_pos, written at slots equal to their positions."""
+    n = input_pos.shape[0]
+    return attention_mask(input_pos[0], torch.ones(n, n, dtype=torch.bool, device=input_pos.device).tril(),
+                          max_seq_length)

@@ -99,3 +99,83 @@ def checkpoints(tmp_path_factory):
             cache[key] = (path, hf)
         return cache[key]
     return get
+
+
+def write_eagle_head(path: Path, weights: dict, config: dict, safetensors: bool = False):
+    """An EAGLE-1/2 head folder exactly as published: config.json + pytorch_model.bin (or model.safetensors)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if safetensors:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    else:
+        torch.save(weights, path / "pytorch_model.bin")
+
+
+def random_head_weights(hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, fc_bias=True,
+                        embed_copy=True, std=0.05, out_std=None, generator=None):
+    """Random weights under the published EAGLE-1/2 key names."""
+    head_dim = hidden // heads
+    out_std = std if out_std is None else out_std
+
+    def rnd(*shape, s=std):
+        return torch.randn(*shape, generator=generator) * s
+    w = {"fc.weight": rnd(hidden, 2 * hidden),
+         "layers.0.self_attn.q_proj.weight": rnd(heads * head_dim, hidden),
+         "layers.0.self_attn.k_proj.weight": rnd(kv_heads * head_dim, hidden),
+         "layers.0.self_attn.v_proj.weight": rnd(kv_heads * head_dim, hidden),
+         "layers.0.self_attn.o_proj.weight": rnd(hidden, heads * head_dim, s=out_std),
+         "layers.0.mlp.gate_proj.weight": rnd(inter, hidden),
+         "layers.0.mlp.up_proj.weight": rnd(inter, hidden),
+         "layers.0.mlp.down_proj.weight": rnd(hidden, inter, s=out_std),
+         "layers.0.post_attention_layernorm.weight": torch.ones(hidden)}
+    if fc_bias:
+        w["fc.bias"] = rnd(hidden)
+    if embed_copy:
+        w["embed_tokens.weight"] = rnd(vocab, hidden)
+    return w
+
+
+def head_config(hidden, heads, kv_heads, inter, vocab, **extra):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
+            "num_hidden_layers": 1, "vocab_size": vocab, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+            "hidden_act": "silu", **extra}
+
+
+def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fraction=0.0, seed=0):
+    """A target whose next token depends only on the current one (x -> perm[x], margin alpha in the logits)
+    and an EAGLE head that knows the rule: it maps its input embedding straight to the next feature.
+    wrong_fraction of the tokens are remapped in the head, so that the head is wrong on them.
+    Returns (target folder, head folder, perm)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, inter = 4, 2, 2 * hidden
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(config).eval()
+    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
+    embed = q[:vocab] * hidden ** 0.5  # orthogonal rows of RMS 1: the final norm leaves them unchanged
+    perm = torch.randperm(vocab, generator=g)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(embed)
+        target.lm_head.weight.copy_(alpha / hidden * embed[torch.argsort(perm)])  # logits peak at perm[x]
+        for layer in target.model.layers:  # the layers add (almost) nothing to the residual stream
+            layer.self_attn.o_proj.weight.mul_(1e-3)
+            layer.mlp.down_proj.weight.mul_(1e-3)
+    target_dir = root / "target"
+    target.save_pretrained(target_dir)
+    write_tokenizer(target_dir, vocab)
+    remap = torch.arange(vocab)
+    wrong = torch.randperm(vocab, generator=g)[:int(wrong_fraction * vocab)]
+    remap[wrong] = wrong.roll(1)
+    weights = random_head_weights(hidden, heads, kv_heads, inter, vocab, out_std=1e-3, generator=g)
+    # h = fc(cat(embed(x), f)) ~ embed(remap[x]): the head's estimate of the next feature.
+    weights["fc.weight"] = torch.cat([embed[remap].T @ embed / hidden, torch.zeros(hidden, hidden)], dim=1)
+    weights["fc.bias"] = torch.zeros(hidden)
+    weights["embed_tokens.weight"] = embed.clone()
+    head_dir = root / "head"
+    write_eagle_head(head_dir, weights, head_config(hidden, heads, kv_heads, inter, vocab))
+    return target_dir, head_dir, perm
