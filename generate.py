@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from draft import DraftTree, EagleDraft, build_tree
-from model import EagletError, ModelArgs, Transformer, attention_mask, causal_mask
+from model import EagletError, Transformer, attention_mask, causal_mask
 from tokenizer import Tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -267,10 +267,12 @@ def pick_device(name: str) -> str:
     return name
 
 
-def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int) -> Transformer:
+def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0) -> Transformer:
+    """The target on device in precision, with a KV cache of max_seq_length slots (none if 0)."""
     model = Transformer.from_checkpoint(checkpoint_path, device=device, dtype=PRECISIONS[precision])
-    with torch.device(device):
-        model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
+    if max_seq_length:
+        with torch.device(device):
+            model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
     return model
 
 
@@ -392,19 +394,18 @@ def main(argv=None):
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
         tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
-        if not args.checkpoint_path.is_file():
-            raise EagletError(f"checkpoint not found: {args.checkpoint_path}")
+        model = load_target(args.checkpoint_path, args.device, args.precision)
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
         scratch = tree.scratch if args.draft_checkpoint_path else 0
         if args.interactive:
             prompt = None
-            max_positions = ModelArgs.from_checkpoint_dir(args.checkpoint_path.parent).max_position_embeddings
-            max_seq_length = args.max_seq_length or min(4096, max_positions)
+            max_seq_length = args.max_seq_length or min(4096, model.args.max_position_embeddings)
         else:
             prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
                 else tokenizer.encode(args.prompt)
             max_seq_length = args.max_seq_length or len(prompt) + args.max_new_tokens + scratch
-        model = load_target(args.checkpoint_path, args.device, args.precision, max_seq_length)
+        with torch.device(args.device):
+            model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
         if tokenizer.vocab_size > model.args.vocab_size:
             raise EagletError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.args.vocab_size}: they do not belong together")

@@ -259,6 +259,9 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         state_dict = load_state_dict(checkpoint_path)
+        if "fc.weight" in state_dict:
+            raise EagletError(f"{checkpoint_path} is an EAGLE draft head, not a target model "
+                              "(give it as --draft_checkpoint_path)")
         if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
             state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
         try:

@@ -1,5 +1,6 @@
 """Small real checkpoints made with transformers' save_pretrained, and a tokenizer.json to go with them."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 VOCAB = 96  # w0 .. w91 plus four specials
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]

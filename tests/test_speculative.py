@@ -1,0 +1,182 @@
+"""EAGLE-2 speculative decoding: greedy output equals plain greedy output, caches stay exact, the CLI works."""
+import json
+
+import pytest
+import torch
+
+import generate
+from conftest import head_config, make_agreeing_pair, random_head_weights, write_eagle_head
+from convert_hf_checkpoint import convert
+from generate import SamplingConfig, TreeConfig, draft_step, load_draft, load_target
+from model import causal_mask
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, checkpoints):
+    """name -> (target folder, head folder): a random head, an agreeing head, and a partly wrong one."""
+    out = {}
+    target, _ = checkpoints("llama31")
+    head = tmp_path_factory.mktemp("random_head")
+    write_eagle_head(head, random_head_weights(64, 4, 2, 96, 96, generator=torch.Generator().manual_seed(0)),
+                     head_config(64, 4, 2, 96, 96))
+    convert(head)
+    out["random"] = (target, head)
+    for name, wrong in [("agreeing", 0.0), ("perturbed", 0.3)]:
+        t, h, _ = make_agreeing_pair(tmp_path_factory.mktemp(name), wrong_fraction=wrong)
+        convert(t), convert(h)
+        out[name] = (t, h)
+    return out
+
+
+def prompts(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("name,tau_range", [("random", (1.0, 1.5)), ("agreeing", (6.0, 8.0)),
+                                            ("perturbed", (2.0, 5.5))])
+def test_greedy_speculative_equals_plain(pairs, name, tau_range):
+    target_dir, head_dir = pairs[name]
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    draft = load_draft(head_dir / "draft.pth", model)
+    vocab = model.args.vocab_size
+    lengths = []
+    for prompt in prompts(vocab, 8):
+        plain = generate.generate(model, prompt, 48, GREEDY)
+        spec = generate.generate(model, prompt, 48, GREEDY, draft=draft)
+        assert spec.tokens == plain.tokens
+        assert sum(spec.accept_lengths) >= len(spec.tokens) - 1  # the first token comes from the prefill
+        lengths += spec.accept_lengths
+    tau = sum(lengths) / len(lengths)
+    print(f"{name} head: tau {tau:.2f} over {len(lengths)} cycles, accepted lengths seen {sorted(set(lengths))}")
+    assert tau_range[0] <= tau <= tau_range[1]
+    if name == "perturbed":
+        assert len(set(lengths)) >= 4  # partial and varied acceptance
+    if name == "agreeing":
+        assert max(lengths) == TreeConfig().depth + 2  # the deepest possible path is reached
+
+
+@pytest.mark.parametrize("depth,topk,total_tokens", [(3, 4, 12), (6, 10, 60), (1, 2, 3)])
+def test_greedy_other_tree_shapes(pairs, depth, topk, total_tokens):
+    target_dir, head_dir = pairs["perturbed"]
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    draft = load_draft(head_dir / "draft.pth", model)
+    tree = TreeConfig(depth, topk, total_tokens)
+    for prompt in prompts(64, 4, seed=1):
+        assert generate.generate(model, prompt, 40, GREEDY, draft=draft, tree=tree).tokens == \
+            generate.generate(model, prompt, 40, GREEDY).tokens
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
+def test_caches_equal_plain_decoding_after_cycles(pairs, sampling):
+    """Target KV = plain prefill of the emitted text; draft KV = the head run over (f_t, x_{t+1}) pairs
+    with the target's true features."""
+    target_dir, head_dir = pairs["perturbed"]
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    draft = load_draft(head_dir / "draft.pth", model)
+    prompt = prompts(64, 1, seed=5)[0]
+    torch.manual_seed(0)
+    result = generate.generate(model, prompt, 60, sampling, draft=draft)
+    assert len(result.accept_lengths) >= 5 and len(set(result.accept_lengths)) >= 2
+    seq = prompt + result.tokens
+    n = len(seq) - 1  # the last emitted token is the next root: not in the caches yet
+
+    ref_model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    ref_draft = load_draft(head_dir / "draft.pth", ref_model)
+    with torch.no_grad():
+        pos = torch.arange(n)
+        _, features = ref_model(torch.tensor([seq[:n]]), pos, pos, causal_mask(pos, 256))
+        draft_step(ref_model, ref_draft, torch.tensor(seq[1:n + 1]), features[0], pos, pos, causal_mask(pos, 256))
+    for got, want in zip(model.layers, ref_model.layers):
+        for name in ("k_cache", "v_cache"):
+            a, b = getattr(got.attention.kv_cache, name), getattr(want.attention.kv_cache, name)
+            assert torch.allclose(a[:, :, :n], b[:, :, :n], atol=1e-5)
+    for name in ("k_cache", "v_cache"):
+        a, b = getattr(draft.layer.attention.kv_cache, name), getattr(ref_draft.layer.attention.kv_cache, name)
+        assert torch.allclose(a[:, :, :n], b[:, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bin-embed-bias", "safetensors-no-embed-no-bias"])
+def test_cli_end_to_end_with_published_head_format(checkpoints, tmp_path, fmt):
+    target, _ = checkpoints("llama2")
+    with_extras = fmt == "bin-embed-bias"
+    head = tmp_path / "head"
+    weights = random_head_weights(64, 4, 4, 96, 96, fc_bias=with_extras, embed_copy=with_extras)
+    write_eagle_head(head, weights, head_config(64, 4, 4, 96, 96, **({} if with_extras else {"bias": False})),
+                     safetensors=not with_extras)
+    assert sorted(torch.load(head / "pytorch_model.bin") if with_extras else weights) == sorted(weights)
+    generate_args = ["--checkpoint_path", str(target / "model.pth"), "--prompt", "w5 w9 w11",
+                     "--max_new_tokens", "30", "--device", "cpu"]
+    from convert_hf_checkpoint import main as convert_main
+    convert_main(["--checkpoint_dir", str(head)])
+    assert (head / "draft.pth").exists()
+    out = tmp_path / "spec.json"
+    generate.main(generate_args + ["--draft_checkpoint_path", str(head / "draft.pth"), "--depth", "4",
+                                   "--tree_topk", "5", "--total_tokens", "20", "--json_out", str(out)])
+    spec = json.loads(out.read_text())
+    generate.main(generate_args + ["--json_out", str(tmp_path / "plain.json")])
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["cycles"] == len(spec["accept_lengths"]) > 0
+    assert sum(spec["accept_lengths"]) >= len(spec["tokens"]) - 1
+
+
+def test_interactive_with_draft(pairs, monkeypatch, capsys):
+    target_dir, head_dir = pairs["agreeing"]
+    turns = iter(["w5 w6", "w7 w8 w9"])
+
+    def fake_input(prompt):
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError
+    monkeypatch.setattr("builtins.input", fake_input)
+    generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
+                   str(head_dir / "draft.pth"), "--interactive", "--max_new_tokens", "12", "--device", "cpu",
+                   "--max_seq_length", "256"])
+    out = capsys.readouterr().out
+    assert out.count("tau ") == 2
+
+
+def expect_error(argv, match):
+    with pytest.raises(SystemExit) as e:
+        generate.main(argv)
+    assert str(e.value.code).startswith("error: ") and match in str(e.value.code), e.value.code
+
+
+def test_draft_errors(pairs, checkpoints, tmp_path):
+    target_dir, head_dir = pairs["agreeing"]  # hidden 64, vocab 64
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w5"]
+    draft = ["--draft_checkpoint_path", str(head_dir / "draft.pth")]
+    expect_error(base + ["--draft_checkpoint_path", str(tmp_path / "nope.pth")], "draft checkpoint not found")
+    expect_error(base + draft + ["--total_tokens", "1"], "total_tokens")
+    expect_error(base + draft + ["--depth", "1", "--tree_topk", "2", "--total_tokens", "8"], "total_tokens")
+    expect_error(base + draft + ["--depth", "0"], "depth")
+    expect_error(base + draft + ["--tree_topk", "65"], "exceeds the vocabulary")
+    # a head for another target: vocabulary 96 instead of 64
+    other_target, _ = checkpoints("llama31")
+    expect_error(["--checkpoint_path", str(other_target / "model.pth"), "--device", "cpu"] + draft,
+                 "does not match the target")
+    # hidden size 32 instead of 64
+    small = tmp_path / "small"
+    write_eagle_head(small, random_head_weights(32, 4, 2, 64, 64), head_config(32, 4, 2, 64, 64))
+    convert(small)
+    expect_error(base + ["--draft_checkpoint_path", str(small / "draft.pth")], "hidden size 32 vs 64")
+    # a whole model given as the draft, and a draft given as the target
+    expect_error(base + ["--draft_checkpoint_path", str(target_dir / "model.pth")], "not an EAGLE-1/2 draft head")
+    expect_error(["--checkpoint_path", str(head_dir / "draft.pth"), "--device", "cpu"], "draft head")
+
+
+def test_eagle3_head_is_refused_by_name(tmp_path):
+    from convert_hf_checkpoint import main as convert_main
+    head = tmp_path / "eagle3"
+    weights = {"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192),
+               "d2t": torch.zeros(32, dtype=torch.long), "norm.weight": torch.ones(64),
+               "lm_head.weight": torch.zeros(32, 64)}
+    write_eagle_head(head, weights, head_config(64, 4, 2, 96, 96, draft_vocab_size=32))
+    with pytest.raises(SystemExit) as e:
+        convert_main(["--checkpoint_dir", str(head)])
+    assert "EAGLE-3 head" in str(e.value.code)
