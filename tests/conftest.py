@@ -146,10 +146,12 @@ def head_config(hidden, heads, kv_heads, inter, vocab, **extra):
             "hidden_act": "silu", **extra}
 
 
-def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fraction=0.0, seed=0):
+def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fraction=0.0, seed=0, layer_scale=1e-3,
+                       lm_head_noise=0.0):
     """A target whose next token depends only on the current one (x -> perm[x], margin alpha in the logits)
     and an EAGLE head that knows the rule: it maps its input embedding straight to the next feature.
-    wrong_fraction of the tokens are remapped in the head, so that the head is wrong on them.
+    wrong_fraction of the tokens are remapped in the head, so that the head is wrong on them; a larger
+    layer_scale lets the target's layers make the next token depend on the context too.
     Returns (target folder, head folder, perm)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     g = torch.Generator().manual_seed(seed)
@@ -165,9 +167,10 @@ def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fracti
     with torch.no_grad():
         target.model.embed_tokens.weight.copy_(embed)
         target.lm_head.weight.copy_(alpha / hidden * embed[torch.argsort(perm)])  # logits peak at perm[x]
+        target.lm_head.weight.add_(torch.randn(vocab, hidden, generator=g) * lm_head_noise / hidden ** 0.5)
         for layer in target.model.layers:  # the layers add (almost) nothing to the residual stream
-            layer.self_attn.o_proj.weight.mul_(1e-3)
-            layer.mlp.down_proj.weight.mul_(1e-3)
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
     target_dir = root / "target"
     target.save_pretrained(target_dir)
     write_tokenizer(target_dir, vocab)

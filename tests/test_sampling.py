@@ -1,0 +1,111 @@
+"""Speculative sampling follows the target's distribution exactly (chi-square against enumeration), and the
+same check rejects the classic mistakes, so it has the power to catch them."""
+import math
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+import generate
+from conftest import make_agreeing_pair
+from convert_hf_checkpoint import convert
+from generate import SamplingConfig, TreeConfig, accept, load_draft, load_target, logits_to_probs, sample
+
+VOCAB, PROMPT, N_TOKENS, N_RUNS = 8, [1, 5, 3], 3, 1000
+TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, head, _ = make_agreeing_pair(tmp_path_factory.mktemp("sampling"), vocab=VOCAB, hidden=16, alpha=2.5,
+                                         layer_scale=20.0, lm_head_noise=1.0)
+    convert(target), convert(head)
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    return target, model, load_draft(head / "draft.pth", model)
+
+
+def exact_distribution(target_dir, sampling):
+    """P(first N_TOKENS tokens) by enumeration with transformers' model and its own logits warpers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    warp = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)] +
+                               ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []) +
+                               ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+    prefixes = list(product(range(VOCAB), repeat=N_TOKENS - 1))
+    ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+    with torch.no_grad():
+        logits = hf(ids).logits[:, len(PROMPT) - 1:]  # predictions for tokens 1..N_TOKENS
+    probs = torch.stack([torch.softmax(warp(ids, logits[:, i].clone()), -1) for i in range(N_TOKENS)], 1)
+    dist = {}
+    for row, p in enumerate(prefixes):
+        for last in range(VOCAB):
+            seq = p + (last,)
+            dist[seq] = math.prod(probs[row, i, seq[i]].item() for i in range(N_TOKENS))
+    return dist
+
+
+def speculative_samples(model, draft, sampling):
+    counts, lengths = Counter(), []
+    for i in range(N_RUNS):
+        torch.manual_seed(i)
+        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE)
+        counts[tuple(result.tokens)] += 1
+        lengths += result.accept_lengths
+    print(f"tau {sum(lengths) / len(lengths):.2f}, tokens per cycle seen: {sorted(Counter(lengths).items())}")
+    return counts
+
+
+def chi_square_p_below(counts, dist, alpha=1e-3):
+    """True when the counts are unlikely (p < alpha) under dist. Bins expecting < 5 are pooled."""
+    n = sum(counts.values())
+    if any(counts[seq] for seq, p in dist.items() if p == 0):
+        return True  # a sequence the target can never produce
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for seq, p in dist.items():
+        if n * p < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts[seq], pooled_exp + n * p
+        else:
+            stat, df = stat + (counts[seq] - n * p) ** 2 / (n * p), df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, df + 1
+    z = 3.09  # one-sided normal quantile for alpha = 1e-3 (Wilson-Hilferty approximation below)
+    threshold = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    print(f"chi-square {stat:.1f} on {df} degrees of freedom, threshold {threshold:.1f}")
+    return stat > threshold
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9),
+                                      SamplingConfig(temperature=1.3, top_k=5)], ids=["t1", "t0.8-top_p0.9", "t1.3-top_k5"])
+def test_speculative_sampling_matches_target_distribution(pair, sampling):
+    target_dir, model, draft = pair
+    counts = speculative_samples(model, draft, sampling)
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
+def bonus_from_unmodified_p(tree, logits, sampling, levels):
+    path, n_accepted, _ = accept(tree, logits, sampling, levels)
+    return path, n_accepted, sample(logits[path[n_accepted]][None], sampling)[0]  # may repeat a rejected child
+
+
+def accept_with_draft_ratio(tree, logits, sampling, levels):
+    """The usual single-draft rule min(1, p/q) with the draft's own q, misapplied to the tree."""
+    p = logits_to_probs(logits, sampling)
+    ratio = p[tree.parents, tree.tokens] / tree.draft_logp.exp()
+    correct = torch.rand(ratio.shape) < ratio.clamp(max=1)
+    correct[0] = True
+    accepted = (tree.ancestors & ~correct[None]).sum(1) == 0
+    best = torch.where(accepted, tree.depths * 1000 - torch.arange(len(correct)), -10 ** 6).argmax()
+    at_depth = tree.ancestors[best][None] & (tree.depths[None] == torch.arange(levels)[:, None])
+    return at_depth.int().argmax(1), tree.depths[best], sample(logits[best][None], sampling)[0]
+
+
+@pytest.mark.parametrize("wrong_rule", [bonus_from_unmodified_p, accept_with_draft_ratio])
+def test_wrong_acceptance_rules_are_caught(pair, monkeypatch, wrong_rule):
+    target_dir, model, draft = pair
+    sampling = SamplingConfig(temperature=1.0)
+    monkeypatch.setattr(generate, "accept", wrong_rule)
+    counts = speculative_samples(model, draft, sampling)
+    assert chi_square_p_below(counts, exact_distribution(target_dir, sampling))
