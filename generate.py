@@ -151,10 +151,12 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     correct = tree.tokens == pick[tree.parents]
     correct[0] = True
     accepted = (tree.ancestors & ~correct[None]).sum(dim=1) == 0  # the node and all its ancestors correct
-    best = torch.where(accepted, tree.depths, -1).argmax()  # siblings differ, so accepted nodes form a chain
-    at_depth = tree.ancestors[best][None] & (tree.depths[None] == torch.arange(levels, device=pick.device)[:, None])
+    # Siblings differ, so the accepted nodes form one chain; take its end. (Indices stay 1-element
+    # tensors: indexing with a 0-d tensor would read it back to the host.)
+    best = torch.where(accepted, tree.depths, -1).argmax().view(1)
+    at_depth = tree.ancestors[best] & (tree.depths[None] == torch.arange(levels, device=pick.device)[:, None])
     path = at_depth.int().argmax(dim=1)
-    return path, tree.depths[best], pick[best]
+    return path, tree.depths[best][0], pick[best][0]
 
 
 def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_len: Tensor, h_last: Tensor,
@@ -180,7 +182,7 @@ def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_
     # Catch-up: the draft sees the new pairs (f_t, x_{t+1}) with the target's true features.
     pos = ctx_len + steps
     h = draft_step(target, draft, emitted, features[0, path], pos, pos, causal_mask(pos, size))
-    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h[n_accepted]
+    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h.index_select(0, n_accepted.view(1))[0]
 
 
 @torch.no_grad()
@@ -201,7 +203,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
     first = max(start_pos - 1, 0) if draft else start_pos
     logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
-    token = sample(logits, sampling)
+    token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
     tokens, accept_lengths = [], []
 
     def emit(new: list) -> bool:  # keep new tokens up to EOS or max_new_tokens; True when done
@@ -218,7 +220,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     ctx_len = torch.tensor(len(prompt_tokens), device=device)
     if draft is not None:
         step_fn = step_fn or speculative_cycle
-        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], device=device), token])
+        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], device=device), token.view(1)])
         pos = torch.arange(first, len(prompt_tokens), device=device)
         h_last = draft_step(model, draft, pairs, features[0], pos, pos, causal_mask(pos, draft.max_seq_length))[-1]
     while not done:
