@@ -185,3 +185,25 @@ def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fracti
     head_dir = root / "head"
     write_eagle_head(head_dir, weights, head_config(hidden, heads, kv_heads, inter, vocab))
     return target_dir, head_dir, perm
+
+
+def scripted_input(lines):
+    """A stand-in for input(): returns the lines in turn, then raises EOFError like a closed terminal."""
+    turns = iter(lines)
+
+    def fake_input(prompt=""):
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError
+    return fake_input
+
+
+def expect_error(argv, match, main=None):
+    """Run a CLI's main(argv) and check that it exits with one line, 'error: ...', containing match."""
+    if main is None:
+        from generate import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "\n" not in message and match in message, message

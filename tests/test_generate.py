@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import generate
-from conftest import ROOT, SHARED, make_hf_checkpoint, write_tokenizer
+from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, scripted_input, write_tokenizer
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 
@@ -63,16 +63,9 @@ def test_sampling_distribution_processing():
 
 def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatch, capsys):
     path, _ = checkpoints("llama2")
-    turns = iter(["w5 w6", "w7"])
-
-    def fake_input(prompt):
-        try:
-            return next(turns)
-        except StopIteration:
-            raise EOFError
     calls = []
     real_generate = generate.generate
-    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7"]))
     monkeypatch.setattr(generate, "generate", lambda *a, **k: calls.append((a, k)) or real_generate(*a, **k))
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--max_new_tokens", "5",
                    "--device", "cpu", "--max_seq_length", "128"])
@@ -81,13 +74,6 @@ def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatc
     assert second_prompt[:len(first_prompt)] == first_prompt
     assert calls[1][1]["start_pos"] >= len(first_prompt)  # only the new turn is prefilled
     assert "Assistant:" in capsys.readouterr().out
-
-
-def expect_error(argv, match, capsys=None):
-    with pytest.raises(SystemExit) as e:
-        generate.main(argv)
-    message = str(e.value.code)
-    assert message.startswith("error: ") and "\n" not in message and match in message, message
 
 
 def test_generate_errors(checkpoints, tmp_path):
@@ -122,9 +108,7 @@ def test_checkpoint_not_matching_config_is_refused(tmp_path):
 
 
 def expect_convert_error(path, match):
-    with pytest.raises(SystemExit) as e:
-        convert_main(["--checkpoint_dir", str(path)])
-    assert str(e.value.code).startswith("error: ") and match in str(e.value.code), e.value.code
+    expect_error(["--checkpoint_dir", str(path)], match, main=convert_main)
 
 
 def test_convert_errors(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import generate
-from conftest import head_config, make_agreeing_pair, random_head_weights, write_eagle_head
+from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, scripted_input, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, draft_step, load_draft, load_target
 from model import causal_mask
@@ -126,25 +126,12 @@ def test_cli_end_to_end_with_published_head_format(checkpoints, tmp_path, fmt):
 
 def test_interactive_with_draft(pairs, monkeypatch, capsys):
     target_dir, head_dir = pairs["agreeing"]
-    turns = iter(["w5 w6", "w7 w8 w9"])
-
-    def fake_input(prompt):
-        try:
-            return next(turns)
-        except StopIteration:
-            raise EOFError
-    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7 w8 w9"]))
     generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
                    str(head_dir / "draft.pth"), "--interactive", "--max_new_tokens", "12", "--device", "cpu",
                    "--max_seq_length", "256"])
     out = capsys.readouterr().out
     assert out.count("tau ") == 2
-
-
-def expect_error(argv, match):
-    with pytest.raises(SystemExit) as e:
-        generate.main(argv)
-    assert str(e.value.code).startswith("error: ") and match in str(e.value.code), e.value.code
 
 
 def test_draft_errors(pairs, checkpoints, tmp_path):
@@ -170,13 +157,14 @@ def test_draft_errors(pairs, checkpoints, tmp_path):
     expect_error(["--checkpoint_path", str(head_dir / "draft.pth"), "--device", "cpu"], "draft head")
 
 
-def test_eagle3_head_is_refused_by_name(tmp_path):
+def test_eagle3_head_is_refused_by_name(checkpoints, tmp_path):
     from convert_hf_checkpoint import main as convert_main
     head = tmp_path / "eagle3"
     weights = {"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192),
                "d2t": torch.zeros(32, dtype=torch.long), "norm.weight": torch.ones(64),
                "lm_head.weight": torch.zeros(32, 64)}
     write_eagle_head(head, weights, head_config(64, 4, 2, 96, 96, draft_vocab_size=32))
-    with pytest.raises(SystemExit) as e:
-        convert_main(["--checkpoint_dir", str(head)])
-    assert "EAGLE-3 head" in str(e.value.code)
+    expect_error(["--checkpoint_dir", str(head)], "is an EAGLE-3 head", main=convert_main)
+    target, _ = checkpoints("llama2")  # and when its weights are handed to generate.py directly
+    expect_error(["--checkpoint_path", str(target / "model.pth"), "--device", "cpu",
+                  "--draft_checkpoint_path", str(head / "pytorch_model.bin")], "is an EAGLE-3 head")
