@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from draft import check_eagle_head, head_args
-from model import SUPPORTED_MODEL_TYPES, EagletError, ModelArgs
+from model import EagletError, ModelArgs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -114,8 +114,7 @@ def convert(checkpoint_dir) -> Path:
     if not config_path.is_file():
         raise EagletError(f"no config.json in {checkpoint_dir}")
     config = json.loads(config_path.read_text())
-    if config.get("model_type", "llama") not in SUPPORTED_MODEL_TYPES:  # before reading gigabytes of weights
-        ModelArgs.from_hf_config(config)
+    ModelArgs.from_hf_config({"model_type": "llama", **config})  # refuse what we cannot run before reading weights
     weights = load_hf_weights(checkpoint_dir)
     if any(k.startswith("model.") for k in weights):
         out_path, state_dict = checkpoint_dir / "model.pth", convert_target(checkpoint_dir, config, weights)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import generate
-from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, scripted_input, write_tokenizer
+from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, scripted_input, tiny_config, write_tokenizer
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 
@@ -92,6 +92,16 @@ def test_generate_errors(checkpoints, tmp_path):
     expect_error(ckpt + ["--max_new_tokens", "50", "--max_seq_length", "20"], "exceeds the cache")
 
 
+def test_mistral_cache_longer_than_sliding_window_is_refused(checkpoints):
+    path, _ = checkpoints("mistral")  # sliding_window 512, max_position_embeddings 512
+    config = json.loads((path / "config.json").read_text())
+    import model
+    args = model.ModelArgs.from_hf_config({**config, "max_position_embeddings": 4096})
+    with torch.device("meta"):
+        with pytest.raises(model.EagletError, match="sliding window"):
+            model.Transformer(args).setup_caches(1, 600)
+
+
 def test_tokenizer_larger_than_model_is_refused(tmp_path):
     make_hf_checkpoint(tmp_path, "llama2")
     convert(tmp_path)
@@ -121,6 +131,11 @@ def test_convert_errors(tmp_path):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     expect_convert_error(tmp_path / "gpt2", "supported model_type values: llama, mistral, qwen2")
+    (tmp_path / "yarn").mkdir()
+    config = tiny_config("llama2").to_dict()
+    config.pop("rope_parameters", None)
+    (tmp_path / "yarn" / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    expect_convert_error(tmp_path / "yarn", "rope scaling type 'yarn' is not supported")
     make_hf_checkpoint(tmp_path / "noweights", "llama2")
     (tmp_path / "noweights" / "model.safetensors").unlink()
     expect_convert_error(tmp_path / "noweights", "no weights")
