@@ -24,13 +24,17 @@ class EagleDraft(nn.Module):
         self.rope = None
         self.max_seq_length = 0
 
+    def setup_rope(self, max_seq_length: int):
+        """RoPE tables only: enough for training (cache_slots=None, a [T, T] mask)."""
+        self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
+                                max_seq_length, self.fc.weight.device)
+
     def setup_caches(self, max_seq_length: int):
         weight = self.fc.weight
         self.max_seq_length = max_seq_length
         self.layer.attention.kv_cache = KVCache(1, max_seq_length, self.args.n_local_heads, self.args.head_dim,
                                                 weight.dtype).to(weight.device)
-        self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
-                                max_seq_length, weight.device)
+        self.setup_rope(max_seq_length)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor):
         """embeds = target embedding of x_{t+1} [1, T, dim], features = f_t [1, T, dim] -> h_t [1, T, dim]."""

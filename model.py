@@ -159,7 +159,8 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(cache_slots, k, v)
+        if self.kv_cache is not None:  # without a cache (training) the block attends to itself only
+            k, v = self.kv_cache.update(cache_slots, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim))
 
@@ -212,8 +213,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.rope: Optional[RotaryTable] = None
         self.max_seq_length = 0
+
+    def setup_rope(self, max_seq_length: int):
+        """RoPE tables only: enough for training, where forward gets cache_slots=None and a [T, T] mask."""
+        self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling, max_seq_length,
+                                self.output.weight.device)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         args = self.args
@@ -228,7 +236,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_local_heads,
                                                args.head_dim, weight.dtype).to(weight.device)
-        self.rope = RotaryTable(args.head_dim, args.rope_base, args.rope_scaling, max_seq_length, weight.device)
+        self.setup_rope(max_seq_length)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,
                 logits_idx: Optional[Tensor] = None):

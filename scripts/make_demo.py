@@ -1,0 +1,189 @@
+"""Build the demo from nothing but this machine: a sentencepiece tokenizer, a small LLaMA-architecture
+code model and its EAGLE-1/2 head, all trained by eaglet's own code on the running interpreter's
+standard-library sources (a few modules kept out for evaluation).
+
+    python scripts/make_demo.py --out_dir demo        # writes demo/target and demo/head, and demo/RECIPE.json
+
+generate.py uses demo/ when no checkpoint is given.
+"""
+import argparse
+import io
+import json
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from convert_hf_checkpoint import convert  # noqa: E402
+from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+from train_draft import TrainConfig, batches, causal, lr_at, train  # noqa: E402
+
+# Modules kept out of every training step: the held-out code that tau is reported on.
+HELD_OUT = ("json", "csv", "textwrap", "fractions", "statistics", "heapq", "bisect", "colorsys", "shlex", "string")
+TARGET_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
+                 "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                 "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+                 "torch_dtype": "bfloat16"}
+
+
+def stdlib_files(held_out: bool) -> list:
+    """The interpreter's own .py sources, tests and site-packages left out; held_out picks the other side."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for f in sorted(root.rglob("*.py")):
+        parts = f.relative_to(root).parts
+        if "site-packages" in parts or any(p in ("test", "tests", "idle_test") for p in parts):
+            continue
+        if (parts[0].removesuffix(".py") in HELD_OUT) == held_out:
+            files.append(f)
+    return files
+
+
+def train_tokenizer(files: list, out_dir: Path, vocab_size: int):
+    import sentencepiece as spm
+
+    def pieces():  # sentencepiece caps sentence length; code keeps its newlines and indentation
+        for f in files:
+            text = f.read_text(errors="replace")
+            yield from (text[i:i + 2000] for i in range(0, len(text), 2000))
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=pieces(), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        split_by_whitespace=False, allow_whitespace_only_pieces=True, byte_fallback=True, split_digits=True,
+        user_defined_symbols=["\n"], max_sentence_length=4096, input_sentence_size=200000,
+        shuffle_input_sentence=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
+
+
+def code_examples(files: list, tokenizer: Tokenizer, seq_len: int) -> list:
+    """Each file cut into seq_len pieces, every piece starting with BOS; every token counts."""
+    examples = []
+    for f in files:
+        tokens = tokenizer.encode(f.read_text(errors="replace"), bos=False)
+        for i in range(0, len(tokens), seq_len - 1):
+            chunk = [1] + tokens[i:i + seq_len - 1]
+            if len(chunk) > 16:
+                examples.append((chunk, [1] * len(chunk)))
+    return examples
+
+
+def train_target(examples: list, cfg: TrainConfig, log=print) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    model = Transformer(ModelArgs.from_hf_config(TARGET_CONFIG))
+    for name, p in model.named_parameters():
+        if p.dim() == 2:  # GPT-2 style init; residual projections scaled down by depth
+            std = 0.02 / (2 * model.args.n_layer) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            torch.nn.init.normal_(p, std=std)
+    model.setup_rope(cfg.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    data = batches(examples, cfg.batch_size, cfg.seq_len, pad_id=0, seed=cfg.seed)
+    pos, mask = torch.arange(cfg.seq_len), causal(cfg.seq_len, "cpu")
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        tokens, weight = next(data)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        logits, _ = model(tokens, pos, None, mask)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        loss = (loss * weight[:, 1:].flatten()).sum() / weight[:, 1:].sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        if step % 10 == 0 or step == cfg.steps - 1:
+            log(f"target step {step + 1}/{cfg.steps} loss {loss.item():.3f} {time.perf_counter() - t0:.0f}s")
+    return model.eval()
+
+
+def held_out_prompts(tokenizer: Tokenizer, n: int, prompt_len: int = 48) -> list:
+    """Prompts cut from the held-out modules: n beginnings of functions or classes."""
+    prompts = []
+    for f in stdlib_files(held_out=True):
+        lines = f.read_text(errors="replace").splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith(("def ", "class ")) and len(prompts) < n:
+                text = "".join(lines[max(0, i - 3):i + 1])
+                prompts.append([1] + tokenizer.encode(text, bos=False)[-prompt_len:])
+    return prompts[:n]
+
+
+def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_tokens: int = 64) -> dict:
+    """tau at the default tree on held-out code, greedy and at temperature 1; greedy checked against plain."""
+    tokenizer = Tokenizer(target_dir)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 48 + 1 + max_new_tokens + TreeConfig().scratch)
+    draft = load_draft(head_dir / "draft.pth", model)
+    out = {}
+    for name, sampling in [("greedy", SamplingConfig()), ("temperature_1", SamplingConfig(temperature=1.0))]:
+        lengths, mismatches, t0 = [], 0, time.perf_counter()
+        for i, prompt in enumerate(held_out_prompts(tokenizer, n_prompts)):
+            torch.manual_seed(i)
+            result = generate(model, prompt, max_new_tokens, sampling, draft=draft)
+            lengths += result.accept_lengths
+            if sampling.temperature == 0:
+                mismatches += result.tokens != generate(model, prompt, max_new_tokens, sampling).tokens
+        out[name] = {"tau": round(sum(lengths) / len(lengths), 3), "cycles": len(lengths),
+                     "prompts": n_prompts, "greedy_mismatches": mismatches,
+                     "seconds": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parents[1] / "demo")
+    p.add_argument("--target_steps", type=int, default=700)
+    p.add_argument("--head_steps", type=int, default=500)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=16)
+    args = p.parse_args()
+    target_dir, head_dir = args.out_dir / "target", args.out_dir / "head"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    recipe, t_start = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+                       "python": platform.python_version()}, time.perf_counter()
+    files = stdlib_files(held_out=False)
+    t0 = time.perf_counter()
+    train_tokenizer(files, target_dir, TARGET_CONFIG["vocab_size"])
+    tokenizer = Tokenizer(target_dir)
+    examples = code_examples(files, tokenizer, args.seq_len)
+    recipe["tokenizer"] = {"files": len(files), "tokens": sum(len(e[0]) for e in examples),
+                           "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"tokenizer: {recipe['tokenizer']}")
+
+    t0 = time.perf_counter()
+    target_cfg = TrainConfig(steps=args.target_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3,
+                             warmup=50, grad_clip=1.0)
+    target = train_target(examples, target_cfg)
+    weights = {k: v.to(torch.bfloat16) for k, v in target.state_dict().items() if k != "output.weight"}  # tied
+    torch.save(weights, target_dir / "model.pth")
+    (target_dir / "config.json").write_text(json.dumps(TARGET_CONFIG, indent=2))
+    recipe["target"] = {"config": TARGET_CONFIG, "train": asdict(target_cfg),
+                        "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"target: {recipe['target']['seconds']} s")
+
+    t0 = time.perf_counter()
+    head_cfg = TrainConfig(steps=args.head_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3,
+                           warmup=50, save_every=10 ** 9)
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")  # the bf16-rounded weights the demo ships
+    train(target, examples, head_dir, head_cfg, resume=False)
+    (head_dir / "train_state.pt").unlink(missing_ok=True)
+    convert(head_dir)
+    recipe["head"] = {"train": asdict(head_cfg), "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"head: {recipe['head']['seconds']} s")
+
+    recipe["held_out"] = {"modules": HELD_OUT, **measure_tau(target_dir, head_dir)}
+    recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    (args.out_dir / "RECIPE.json").write_text(json.dumps(recipe, indent=2))
+    print(json.dumps(recipe["held_out"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Train an EAGLE-1/2 draft head for a converted target; save it in the published EAGLE format.
+
+    python train_draft.py --checkpoint_path checkpoints/org/model/model.pth --data corpus/*.txt \\
+        --out_dir checkpoints/org/model-eagle --steps 2000
+    python convert_hf_checkpoint.py --checkpoint_dir checkpoints/org/model-eagle   # -> draft.pth
+
+Data: plain text files (every token counts), or FastChat question files (.jsonl with "turns"; only the
+assistant's tokens count). --self_distill lets the target write the assistant's replies (and continue
+plain text), so the head learns what the target itself says, which raises acceptance.
+The head learns the target's next feature (SmoothL1) and its next-token distribution (0.1 x
+cross-entropy against the target's soft predictions), from features with small uniform noise added.
+"""
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from draft import EagleDraft
+from generate import PRECISIONS, SamplingConfig, generate, load_target, pick_device
+from model import EagletError, ModelArgs, Transformer
+from tokenizer import Tokenizer
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 0.5
+    noise: float = 0.1  # uniform noise on the input features, +-noise x their RMS
+    ce_weight: float = 0.1
+    seed: int = 0
+    save_every: int = 200
+
+
+def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
+    """Tokens of a conversation and a mask that is 1 on the assistant's tokens only."""
+    messages, tokens, mask = [], [], []
+    for user, reply in zip(turns, replies):
+        messages.append({"role": "user", "content": user})
+        prompt = tokenizer.encode_chat(messages)
+        messages.append({"role": "assistant", "content": reply})
+        full = tokenizer.encode_chat(messages[:-1]) + tokenizer.encode(reply, bos=False) + sorted(tokenizer.eos_ids)[:1]
+        mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
+        tokens = full
+    return tokens, mask
+
+
+def load_examples(paths, tokenizer: Tokenizer, seq_len: int, reply_fn=None) -> list:
+    """(tokens, loss mask) pairs of at most seq_len tokens from text files and FastChat question files."""
+    examples = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise EagletError(f"data file not found: {path}")
+        if path.suffix == ".jsonl":
+            for line in path.read_text().splitlines():
+                question = json.loads(line)
+                turns = question["turns"]
+                replies = question.get("reference") if reply_fn is None else None
+                if reply_fn is not None:
+                    replies, messages = [], []
+                    for user in turns:
+                        messages.append({"role": "user", "content": user})
+                        replies.append(reply_fn(tokenizer.encode_chat(messages)))
+                        messages.append({"role": "assistant", "content": replies[-1]})
+                if not replies:
+                    raise EagletError(f"{path}: question {question.get('question_id')} has no replies; "
+                                      "use --self_distill to let the target write them")
+                tokens, mask = chat_example(tokenizer, turns, replies)
+                examples.append((tokens[:seq_len], mask[:seq_len]))
+        else:
+            tokens = tokenizer.encode(path.read_text(errors="replace"), bos=False)
+            for start in range(0, max(len(tokens) - 1, 1), seq_len):
+                chunk = tokens[start:start + seq_len]
+                if reply_fn is not None:  # keep the first half, let the target write the rest
+                    chunk = chunk[:len(chunk) // 2] + tokenizer.encode(reply_fn(chunk[:len(chunk) // 2]), bos=False)
+                    chunk = chunk[:seq_len]
+                if len(chunk) > 1:
+                    examples.append((chunk, [1] * len(chunk)))
+    if not examples:
+        raise EagletError("no training examples in the data")
+    return examples
+
+
+def batches(examples: list, batch_size: int, seq_len: int, pad_id: int, seed: int):
+    """Endless shuffled batches: tokens [B, seq_len] and loss mask [B, seq_len] (0 on padding)."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            tokens = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
+            mask = torch.zeros(batch_size, seq_len)
+            for row, j in enumerate(order[i:i + batch_size]):
+                t, m = examples[j]
+                tokens[row, :len(t)], mask[row, :len(m)] = torch.tensor(t), torch.tensor(m, dtype=torch.float)
+            yield tokens, mask
+
+
+def causal(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def head_loss(head: EagleDraft, target: Transformer, tokens, mask, cfg: TrainConfig):
+    """EAGLE's loss on a batch: pairs (f_t, x_{t+1}) predict f_{t+1} and the target's p(x_{t+2})."""
+    seq = tokens.shape[1]
+    pos = torch.arange(seq, device=tokens.device)
+    with torch.no_grad():
+        logits, features = target(tokens, pos, None, causal(seq, tokens.device))
+        rms = features.float().pow(2).mean(-1, keepdim=True).sqrt()
+        noisy = features[:, :-1] + (torch.rand_like(features[:, :-1]) * 2 - 1) * cfg.noise * rms[:, :-1]
+        embeds = target.tok_embeddings(tokens[:, 1:])
+    h = head(embeds, noisy, pos[:-1], None, causal(seq - 1, tokens.device))
+    feature_loss = F.smooth_l1_loss(h.float(), features[:, 1:].float(), reduction="none").mean(-1)
+    target_p = torch.softmax(logits[:, 1:].float(), dim=-1)
+    head_logp = torch.log_softmax(target.output(h).float(), dim=-1)
+    ce = -(target_p * head_logp).sum(-1)
+    weight = mask[:, 1:] * mask[:, :-1]  # both the input pair and the predicted position are real
+    loss = ((feature_loss + cfg.ce_weight * ce) * weight).sum() / weight.sum().clamp(min=1)
+    top1 = ((head_logp.argmax(-1) == target_p.argmax(-1)).float() * weight).sum() / weight.sum().clamp(min=1)
+    return loss, top1
+
+
+def new_head(target_args: ModelArgs, device, seed: int) -> EagleDraft:
+    torch.manual_seed(seed)
+    head = EagleDraft(target_args, fc_bias=True).to(device)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    # Start near "the next feature is the current token's feature": the residual carries fc's output.
+    with torch.no_grad():
+        head.fc.weight[:, target_args.dim:] += torch.eye(target_args.dim, device=device)
+        head.fc.bias.zero_()
+    return head
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, resume: bool = True,
+          log=print) -> EagleDraft:
+    """Train (or resume) a head; returns it and writes out_dir/{config.json, model.safetensors}."""
+    device = target.output.weight.device
+    out_dir.mkdir(parents=True, exist_ok=True)
+    head = new_head(target.args, device, cfg.seed)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state_path, start = out_dir / "train_state.pt", 0
+    if resume and state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+        log(f"resuming at step {start}")
+    target.setup_rope(cfg.seq_len)
+    head.setup_rope(cfg.seq_len)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    data = batches(examples, cfg.batch_size, cfg.seq_len, pad_id=0, seed=cfg.seed + start)
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        tokens, mask = (t.to(device) for t in next(data))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with autocast:
+            loss, top1 = head_loss(head, target, tokens, mask, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        optimizer.step()
+        if step % 10 == 0 or step == cfg.steps - 1:
+            done = (step + 1) / cfg.steps
+            bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
+            log(f"[{bar}] step {step + 1}/{cfg.steps} loss {loss.item():.4f} top-1 {top1.item():.3f} "
+                f"{time.perf_counter() - t0:.0f}s")
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                        "config": asdict(cfg)}, state_path)
+    save_head(head, out_dir)
+    return head
+
+
+def save_head(head: EagleDraft, out_dir: Path):
+    """config.json + model.safetensors under the published EAGLE-1/2 key names."""
+    args, sd = head.args, {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
+    q_dim, kv_dim = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+    q, k, v = sd["layer.attention.wqkv.weight"].split([q_dim, kv_dim, kv_dim])
+    gate, up = sd["layer.feed_forward.w13.weight"].chunk(2)
+    weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"],
+               "layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
+               "layers.0.self_attn.v_proj.weight": v, "layers.0.self_attn.o_proj.weight": sd["layer.attention.wo.weight"],
+               "layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up,
+               "layers.0.mlp.down_proj.weight": sd["layer.feed_forward.w2.weight"],
+               "layers.0.post_attention_layernorm.weight": sd["layer.ffn_norm.weight"]}
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(out_dir / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+              "num_attention_heads": args.n_head, "num_key_value_heads": args.n_local_heads,
+              "head_dim": args.head_dim, "intermediate_size": args.intermediate_size, "num_hidden_layers": 1,
+              "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_base,
+              "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_position_embeddings,
+              "hidden_act": "silu", "bias": True, "torch_dtype": "float32"}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
+    p.add_argument("--data", nargs="+", required=True, help="text files and/or FastChat .jsonl question files")
+    p.add_argument("--out_dir", type=Path, required=True, help="where the head (and train_state.pt) go")
+    p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="reply length for --self_distill")
+    p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    for name, value in asdict(TrainConfig()).items():
+        p.add_argument(f"--{name}", type=type(value), default=value)
+    args = p.parse_args(argv)
+    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+    try:
+        device = pick_device(args.device)
+        precision = "bf16" if device == "cuda" else "fp32"  # weights for the target; training runs in autocast
+        target = load_target(args.checkpoint_path, device, precision if args.self_distill else "fp32")
+        tokenizer = Tokenizer(args.checkpoint_path.parent)
+        reply_fn = None
+        if args.self_distill:
+            target.setup_caches(1, cfg.seq_len + args.max_new_tokens + 8)
+            reply_fn = lambda prompt: tokenizer.decode(generate(  # noqa: E731
+                target, prompt[-cfg.seq_len:], args.max_new_tokens, SamplingConfig(), tokenizer.eos_ids).tokens)
+        examples = load_examples(args.data, tokenizer, cfg.seq_len, reply_fn)
+        for layer in target.layers:  # training runs whole sequences without a cache
+            layer.attention.kv_cache = None
+        print(f"{len(examples)} examples; training {cfg.steps} steps on {device}")
+        train(target, examples, args.out_dir, cfg, resume=not args.no_resume)
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {args.out_dir / 'model.safetensors'}; convert it with "
+          f"python convert_hf_checkpoint.py --checkpoint_dir {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
