@@ -22,6 +22,7 @@ from model import EagletError, Transformer, attention_mask, causal_mask
 from tokenizer import Tokenizer
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 
 @dataclass
@@ -361,13 +362,15 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, model: Transforme
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")
-    p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth written by convert_hf_checkpoint.py")
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="draft.pth of an EAGLE-1/2 head: switches to EAGLE-2 speculative decoding")
+    p.add_argument("--no_draft", action="store_true", help="plain decoding of the demo (no head)")
     p.add_argument("--depth", type=int, default=6, help="draft tree expansion steps")
     p.add_argument("--tree_topk", type=int, default=10, help="children per node and nodes kept per level")
     p.add_argument("--total_tokens", type=int, default=60, help="tokens verified per cycle, root included")
-    p.add_argument("--prompt", default="Hello, my name is")
+    p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=1.0)
@@ -386,6 +389,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.num_samples < 1:
         p.error("--max_new_tokens and --num_samples must be at least 1")
+    if args.checkpoint_path is None:  # the demo: a small code model and its head, shipped in demo/
+        if not (DEMO_DIR / "target" / "model.pth").is_file():
+            p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
+        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
+        if args.draft_checkpoint_path is None and not args.no_draft:
+            args.draft_checkpoint_path = DEMO_DIR / "head" / "draft.pth"
     return args
 
 
