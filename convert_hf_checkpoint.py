@@ -65,6 +65,25 @@ def convert_layer(weights: dict, src: str, dst: str) -> dict:
     return out
 
 
+def export_layer(state_dict: dict, src: str, dst: str, args: ModelArgs) -> dict:
+    """The inverse of convert_layer: one of our layers (prefix src) under Hugging Face names (prefix dst)."""
+    q_dim, kv_dim = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
+    out = {}
+    for part in ("weight", "bias"):
+        if f"{src}attention.wqkv.{part}" in state_dict:
+            for name, t in zip("qkv", state_dict[f"{src}attention.wqkv.{part}"].split([q_dim, kv_dim, kv_dim])):
+                out[f"{dst}self_attn.{name}_proj.{part}"] = t
+        if f"{src}attention.wo.{part}" in state_dict:
+            out[f"{dst}self_attn.o_proj.{part}"] = state_dict[f"{src}attention.wo.{part}"]
+    gate, up = state_dict[f"{src}feed_forward.w13.weight"].chunk(2)
+    out.update({f"{dst}mlp.gate_proj.weight": gate, f"{dst}mlp.up_proj.weight": up,
+                f"{dst}mlp.down_proj.weight": state_dict[f"{src}feed_forward.w2.weight"],
+                f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"]})
+    if f"{src}attention_norm.weight" in state_dict:
+        out[f"{dst}input_layernorm.weight"] = state_dict[f"{src}attention_norm.weight"]
+    return out
+
+
 def convert_target(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
     args = ModelArgs.from_hf_config(config)
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -128,6 +128,37 @@ class TreeConfig:
         return max(self.total_tokens, self.depth * self.topk, self.depth + 2)
 
 
+AUTO_SIZES = (16, 24, 32, 48, 64, 80, 96, 128)
+
+
+def time_forward(target: Transformer, n_tokens: int, repeats: int = 5) -> float:
+    """Seconds for one target forward over n_tokens (a verify of that many tree tokens costs the same)."""
+    device = target.output.weight.device
+    pos = torch.arange(n_tokens, device=device)
+    tokens, mask = torch.zeros(1, n_tokens, dtype=torch.long, device=device), causal_mask(pos, target.max_seq_length)
+    with torch.no_grad():
+        for _ in range(2):
+            target(tokens, pos, pos, mask)
+        device_sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            target(tokens, pos, pos, mask)
+        device_sync(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def pick_total_tokens(target: Transformer, tree: TreeConfig, tolerance: float = 0.1, log=print) -> int:
+    """--total_tokens auto: the largest tree whose verify costs at most (1 + tolerance) x the smallest's.
+    While a forward is memory bound, extra tree tokens are nearly free; past that knee they cost time."""
+    pool = tree.topk + tree.depth * tree.topk ** 2 + 1
+    sizes = [n for n in AUTO_SIZES if n <= min(pool, target.max_seq_length)] or [min(pool, 16)]
+    times = {n: time_forward(target, n) for n in sizes}
+    chosen = max(n for n in sizes if times[n] <= (1 + tolerance) * times[sizes[0]])
+    log("total_tokens auto: verify " + ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in times.items())
+        + f" -> {chosen}")
+    return chosen
+
+
 def draft_step(target: Transformer, draft: EagleDraft, tokens, features, input_pos, slots, mask) -> Tensor:
     """Draft outputs [T, dim] for tokens [T] paired with features [T, dim] (f_t, or a parent's output)."""
     return draft(target.tok_embeddings(tokens)[None], features[None], input_pos, slots, mask)[0]
@@ -160,30 +191,54 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     return path, tree.depths[best][0], pick[best][0]
 
 
+def expand(target: Transformer, draft: EagleDraft, root, ctx_len, h_last, tree_config: TreeConfig) -> DraftTree:
+    """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
+    return build_tree(lambda *a: draft_step(target, draft, *a), lambda h: draft_logp(target, h), h_last, root,
+                      ctx_len, tree_config.topk, tree_config.depth, tree_config.total_tokens, target.max_seq_length)
+
+
+def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
+    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context."""
+    slots = ctx_len + torch.arange(tree.tokens.shape[0], device=ctx_len.device)
+    logits, features = target(tree.tokens[None], ctx_len + tree.depths, slots,
+                              attention_mask(ctx_len, tree.ancestors, target.max_seq_length))
+    return logits[0], features[0]
+
+
+def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling: SamplingConfig,
+           levels: int):
+    """Phase 3: acceptance, and the accepted path's K/V moved in place to the slots after the context.
+    Returns the emitted tokens (padded to levels), accepted drafts, the bonus token and the path."""
+    path, n_accepted, bonus = accept(tree, logits, sampling, levels)
+    steps = torch.arange(levels, device=ctx_len.device)
+    emitted = torch.where(steps == n_accepted, bonus, tree.tokens[path.roll(-1)])
+    target.compact_kv(ctx_len + path, ctx_len + steps)
+    return emitted, n_accepted, bonus, path
+
+
+def catch_up(target: Transformer, draft: EagleDraft, emitted: Tensor, features: Tensor, ctx_len: Tensor,
+             n_accepted: Tensor) -> Tensor:
+    """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
+    fixed count; returns its output for the last real pair."""
+    pos = ctx_len + torch.arange(emitted.shape[0], device=ctx_len.device)
+    h = draft_step(target, draft, emitted, features, pos, pos, causal_mask(pos, draft.max_seq_length))
+    return h.index_select(0, n_accepted.view(1))[0]
+
+
 def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_len: Tensor, h_last: Tensor,
                       tree_config: TreeConfig, sampling: SamplingConfig):
-    """One EAGLE-2 cycle with fixed shapes: draft tree, one verify forward, acceptance, KV commit, catch-up.
+    """One EAGLE-2 cycle with fixed shapes: expand, verify, commit, catch up.
 
     On entry the target's cache holds ctx_len tokens, root is the next token (not yet in the cache) and
     h_last the draft's output for its last pair (f_{ctx_len-1}, root). Returns the emitted tokens (padded
     to depth + 2), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
     and h_last. Nothing here reads a value back to the host.
     """
-    size = target.max_seq_length
-    levels = tree_config.depth + 2  # root + up to depth + 1 accepted drafts
-    tree = build_tree(lambda *a: draft_step(target, draft, *a), lambda h: draft_logp(target, h), h_last, root,
-                      ctx_len, tree_config.topk, tree_config.depth, tree_config.total_tokens, size)
-    slots = ctx_len + torch.arange(tree_config.total_tokens, device=root.device)
-    mask = attention_mask(ctx_len, tree.ancestors, size)
-    logits, features = target(tree.tokens[None], ctx_len + tree.depths, slots, mask)
-    path, n_accepted, bonus = accept(tree, logits[0], sampling, levels)
-    steps = torch.arange(levels, device=root.device)
-    emitted = torch.where(steps == n_accepted, bonus, tree.tokens[path.roll(-1)])
-    target.compact_kv(ctx_len + path, ctx_len + steps)
-    # Catch-up: the draft sees the new pairs (f_t, x_{t+1}) with the target's true features.
-    pos = ctx_len + steps
-    h = draft_step(target, draft, emitted, features[0, path], pos, pos, causal_mask(pos, size))
-    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h.index_select(0, n_accepted.view(1))[0]
+    tree = expand(target, draft, root, ctx_len, h_last, tree_config)
+    logits, features = verify(target, tree, ctx_len)
+    emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.depth + 2)
+    h_last = catch_up(target, draft, emitted, features[path], ctx_len, n_accepted)
+    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h_last
 
 
 @torch.no_grad()
@@ -369,7 +424,8 @@ def parse_args(argv=None):
     p.add_argument("--no_draft", action="store_true", help="plain decoding of the demo (no head)")
     p.add_argument("--depth", type=int, default=6, help="draft tree expansion steps")
     p.add_argument("--tree_topk", type=int, default=10, help="children per node and nodes kept per level")
-    p.add_argument("--total_tokens", type=int, default=60, help="tokens verified per cycle, root included")
+    p.add_argument("--total_tokens", default="60",
+                   help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -404,7 +460,11 @@ def main(argv=None):
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+        auto = args.total_tokens == "auto"
+        if not auto and not args.total_tokens.isdigit():
+            raise EagletError(f"--total_tokens must be a number or auto, got {args.total_tokens!r}")
+        pool = args.tree_topk + args.depth * args.tree_topk ** 2 + 1
+        tree = TreeConfig(args.depth, args.tree_topk, min(max(AUTO_SIZES), pool) if auto else int(args.total_tokens))
         model = load_target(args.checkpoint_path, args.device, args.precision)
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
         scratch = tree.scratch if args.draft_checkpoint_path else 0
@@ -421,6 +481,8 @@ def main(argv=None):
             raise EagletError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.args.vocab_size}: they do not belong together")
         draft = load_draft(args.draft_checkpoint_path, model) if args.draft_checkpoint_path else None
+        if draft is not None and auto:
+            tree = TreeConfig(tree.depth, tree.topk, pick_total_tokens(model, tree))
         if draft is not None and tree.topk > model.args.vocab_size:
             raise EagletError(f"tree_topk {tree.topk} exceeds the vocabulary ({model.args.vocab_size})")
         step_fn = speculative_cycle if draft is not None else decode_one_token

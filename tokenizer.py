@@ -43,17 +43,21 @@ def token_content(token) -> str:
 class Tokenizer:
     """encode / decode / eos_ids / apply_chat_template over either tokenizer format."""
 
-    def __init__(self, checkpoint_dir, chat_template: str = "auto"):
-        checkpoint_dir = Path(checkpoint_dir)
+    def __init__(self, path, chat_template: str = "auto"):
+        """path: a checkpoint folder, or a tokenizer.json / sentencepiece .model file itself."""
+        path = Path(path)
+        checkpoint_dir = path.parent if path.is_file() else path
+        json_file = path if path.is_file() and path.suffix == ".json" else checkpoint_dir / "tokenizer.json"
+        sp_file = path if path.is_file() and path.suffix == ".model" else checkpoint_dir / "tokenizer.model"
         tok_config = read_json(checkpoint_dir / "tokenizer_config.json")
-        if (checkpoint_dir / "tokenizer.json").is_file():
+        if json_file.is_file():
             from tokenizers import Tokenizer as HFTokenizer
-            self.hf = HFTokenizer.from_file(str(checkpoint_dir / "tokenizer.json"))
+            self.hf = HFTokenizer.from_file(str(json_file))
             self.sp = None
             self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        elif (checkpoint_dir / "tokenizer.model").is_file():
+        elif sp_file.is_file():
             import sentencepiece
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(checkpoint_dir / "tokenizer.model"))
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_file))
             self.hf = None
             self.vocab_size = self.sp.get_piece_size()
         else:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from convert_hf_checkpoint import export_layer
 from draft import EagleDraft
 from generate import PRECISIONS, SamplingConfig, generate, load_target, pick_device
 from model import EagletError, ModelArgs, Transformer
@@ -196,15 +197,7 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
 def save_head(head: EagleDraft, out_dir: Path):
     """config.json + model.safetensors under the published EAGLE-1/2 key names."""
     args, sd = head.args, {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
-    q_dim, kv_dim = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
-    q, k, v = sd["layer.attention.wqkv.weight"].split([q_dim, kv_dim, kv_dim])
-    gate, up = sd["layer.feed_forward.w13.weight"].chunk(2)
-    weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"],
-               "layers.0.self_attn.q_proj.weight": q, "layers.0.self_attn.k_proj.weight": k,
-               "layers.0.self_attn.v_proj.weight": v, "layers.0.self_attn.o_proj.weight": sd["layer.attention.wo.weight"],
-               "layers.0.mlp.gate_proj.weight": gate, "layers.0.mlp.up_proj.weight": up,
-               "layers.0.mlp.down_proj.weight": sd["layer.feed_forward.w2.weight"],
-               "layers.0.post_attention_layernorm.weight": sd["layer.ffn_norm.weight"]}
+    weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"], **export_layer(sd, "layer.", "layers.0.", args)}
     save_file({k: t.contiguous() for k, t in weights.items()}, str(out_dir / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
               "num_attention_heads": args.n_head, "num_key_value_heads": args.n_local_heads,
