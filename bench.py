@@ -1,0 +1,396 @@
+"""Where the time goes: plain decoding against the memory-bandwidth limit, one EAGLE-2 cycle phase by
+phase, an evaluation over FastChat question files, and transformers' own generate on the same weights.
+
+    python bench.py --model llama3-8b --compile                  # random bf16 weights of a named shape
+    python bench.py --checkpoint_path .../model.pth --draft_checkpoint_path .../draft.pth --compile \\
+        --eval ../shared/data/prompts --hf
+
+Writes a JSON file and a markdown table (--out, default bench_results); numbers are printed, never asserted.
+"""
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from draft import EagleDraft, head_args
+from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, commit, compile_step, decode_one_token,
+                      device_sync, expand, generate, load_draft, load_target, pick_device, prefill, sample,
+                      speculative_cycle, verify, weight_bytes)
+from model import EagletError, ModelArgs, Transformer
+from tokenizer import Tokenizer
+
+SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32),
+    "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0),
+}
+
+
+def random_module(module_cls, args, device, dtype, **kwargs):
+    """A module of random weights built straight on the device (no checkpoint, no fp32 copy)."""
+    with torch.device("meta"):
+        module = module_cls(args, **kwargs).to(dtype)
+    module = module.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.normal_(0, 0.02) if p.dim() == 2 else p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+    if getattr(args, "tie_word_embeddings", False):
+        module.output.weight = module.tok_embeddings.weight
+    return module.eval()
+
+
+def random_models(shape: str, device, dtype, max_seq_length: int):
+    config = {"model_type": "llama", "max_position_embeddings": max(8192, max_seq_length), **SHAPES[shape]}
+    target = random_module(Transformer, ModelArgs.from_hf_config(config), device, dtype)
+    target.setup_caches(1, max_seq_length)
+    draft = random_module(EagleDraft, head_args({**config, "num_hidden_layers": 1}), device, dtype)
+    draft.setup_caches(max_seq_length)
+    return target, draft
+
+
+def copy_bandwidth(device, n_bytes=1 << 30) -> float:
+    """The device's own measured memory bandwidth (bytes/s): a large copy reads and writes every byte."""
+    n_bytes = n_bytes if str(device).startswith("cuda") else n_bytes // 4
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    device_sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    device_sync(device)
+    return 2 * n_bytes * 10 / (time.perf_counter() - t0)
+
+
+def graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def timed(fn, repeats: int, device):
+    """Seconds per call after three warm-up calls (compilation, graph capture), and how many new graphs
+    were compiled during the timed calls (recompilations: should be 0)."""
+    for _ in range(3):
+        fn()
+    device_sync(device)
+    graphs, t0 = graph_count(), time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    device_sync(device)
+    return (time.perf_counter() - t0) / repeats, graph_count() - graphs
+
+
+GREEDY = SamplingConfig()
+
+
+def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = 128):
+    """Caches holding a random prompt, as after generate()'s prefill: (root, ctx_len, h_last)."""
+    device = target.output.weight.device
+    tokens = torch.randint(0, target.args.vocab_size, (1, n_prompt), device=device)
+    with torch.no_grad():
+        logits, features = prefill(target, tokens, 0)
+        root = sample(logits, GREEDY)[0]
+        pairs = torch.cat([tokens[0, 1:], root.view(1)])
+        ctx_len = torch.tensor(n_prompt, device=device)
+        h_last = catch_up(target, draft, pairs, features[0], torch.tensor(0, device=device),
+                          ctx_len - 1) if draft is not None else None
+    return root, ctx_len, h_last
+
+
+def bench_plain(target, compile_, copy_bw, repeats) -> dict:
+    device = target.output.weight.device
+    step_fn = compile_step(decode_one_token, str(device)) if compile_ else decode_one_token
+    root, ctx_len, _ = start_state(target, None)
+    with torch.no_grad():
+        step_s, recompiles = timed(lambda: step_fn(target, root.view(1, 1), ctx_len.view(1), GREEDY), repeats, device)
+    n_bytes = weight_bytes(target)
+    return {"step_ms": step_s * 1e3, "tokens_per_s": 1 / step_s, "weights_GB": n_bytes / 1e9,
+            "GB_per_s": n_bytes / step_s / 1e9, "fraction_of_copy_bandwidth": n_bytes / step_s / copy_bw,
+            "recompiles_after_warmup": recompiles}
+
+
+def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
+    """Bytes a cycle must read at least: the target once, the draft layer + lm_head depth + 1 times, the KV."""
+    args, elt = target.args, target.output.weight.element_size()
+    kv = 2 * args.n_layer * args.n_local_heads * args.head_dim * elt * ctx
+    lm_head = target.output.weight.numel() * elt
+    return {"plain_step": weight_bytes(target) + kv,
+            "cycle": weight_bytes(target) + kv + (tree.depth + 1) * (weight_bytes(draft) + lm_head)}
+
+
+def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s, copy_bw) -> dict:
+    """One cycle at a fixed state, phase by phase and whole, in ms and in plain decoding steps."""
+    device = target.output.weight.device
+    wrap = (lambda f: compile_step(f, str(device))) if compile_ else (lambda f: f)
+    levels = tree.depth + 2
+    root, ctx_len, h_last = start_state(target, draft)
+    with torch.no_grad():
+        t = expand(target, draft, root, ctx_len, h_last, tree)
+        logits, features = verify(target, t, ctx_len)
+        emitted, n_acc, _, path = commit(target, t, logits, ctx_len, GREEDY, levels)
+        phases = {
+            "catch-up": (wrap(catch_up), (target, draft, emitted, features[path], ctx_len, n_acc)),
+            "expansion (draft tree)": (wrap(expand), (target, draft, root, ctx_len, h_last, tree)),
+            "verify": (wrap(verify), (target, t, ctx_len)),
+            "accept + compaction": (wrap(commit), (target, t, logits, ctx_len, GREEDY, levels)),
+            "whole cycle": (wrap(speculative_cycle), (target, draft, root, ctx_len, h_last, tree, GREEDY)),
+        }
+        rows = {}
+        for name, (fn, args) in phases.items():
+            seconds, recompiles = timed(lambda: fn(*args), repeats, device)
+            rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s, "recompiles_after_warmup": recompiles}
+    floor = cycle_bytes(target, draft, tree, int(ctx_len))
+    whole = rows["whole cycle"]["ms"] / 1e3
+    return {"phases": rows, "floor_plain_steps": floor["cycle"] / floor["plain_step"],
+            "floor_ms": floor["cycle"] / copy_bw * 1e3, "measured_over_floor": whole / (floor["cycle"] / copy_bw),
+            "cycle_bytes_GB": floor["cycle"] / 1e9}
+
+
+def load_questions(eval_dir: Path, per_task: int) -> dict:
+    tasks = {}
+    for path in sorted(Path(eval_dir).glob("*.jsonl")):
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        tasks[path.stem] = [json.loads(line) for line in lines[:per_task]]
+    if not tasks:
+        raise EagletError(f"no .jsonl question files in {eval_dir}")
+    return tasks
+
+
+def run_eval(target, draft, tree, tokenizer: Tokenizer, tasks: dict, max_new_tokens: int, step_fns: dict) -> dict:
+    """Multi-turn chat over FastChat question files, each turn decoded plainly and speculatively (greedy).
+    Each conversation goes on with the speculative reply; differing outputs are counted and shown."""
+    rows = {}
+    for task, questions in tasks.items():
+        stats = {"plain_tokens": 0, "plain_s": 0.0, "spec_tokens": 0, "spec_s": 0.0, "accept_lengths": [],
+                 "turns": 0, "mismatches": [], "skipped": 0}
+        for q in questions:
+            messages = []
+            for turn in q["turns"]:
+                messages.append({"role": "user", "content": turn})
+                prompt = tokenizer.encode_chat(messages)
+                try:
+                    plain = generate(target, prompt, max_new_tokens, GREEDY, tokenizer.eos_ids, step_fn=step_fns["plain"])
+                    spec = generate(target, prompt, max_new_tokens, GREEDY, tokenizer.eos_ids, draft=draft, tree=tree,
+                                    step_fn=step_fns["spec"])
+                except EagletError:  # the conversation outgrew the cache
+                    stats["skipped"] += 1
+                    break
+                stats["turns"] += 1
+                stats["plain_tokens"] += len(plain.tokens)
+                stats["plain_s"] += plain.seconds
+                stats["spec_tokens"] += len(spec.tokens)
+                stats["spec_s"] += spec.seconds
+                stats["accept_lengths"] += spec.accept_lengths
+                if spec.tokens != plain.tokens:
+                    first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
+                                 min(len(spec.tokens), len(plain.tokens)))
+                    stats["mismatches"].append({"question_id": q.get("question_id"), "first_differing_token": first})
+                messages.append({"role": "assistant", "content": tokenizer.decode(spec.tokens)})
+        lengths = stats.pop("accept_lengths")
+        plain_tps = stats["plain_tokens"] / max(stats["plain_s"], 1e-9)
+        spec_tps = stats["spec_tokens"] / max(stats["spec_s"], 1e-9)
+        rows[task] = {**stats, "tau": sum(lengths) / max(len(lengths), 1), "plain_tokens_per_s": plain_tps,
+                      "spec_tokens_per_s": spec_tps, "speedup": spec_tps / max(plain_tps, 1e-9)}
+    return rows
+
+
+def hf_twin(target: Transformer):
+    """The same weights inside transformers (the baseline the EAGLE papers measure against)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from convert_hf_checkpoint import export_layer
+    a = target.args
+    config = AutoConfig.for_model(
+        a.model_type, vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.n_layer, num_attention_heads=a.n_head, num_key_value_heads=a.n_local_heads,
+        head_dim=a.head_dim, rms_norm_eps=a.norm_eps, rope_theta=a.rope_base, rope_scaling=a.rope_scaling,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
+        attention_bias=a.qkv_bias)
+    sd = target.state_dict()
+    weights = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
+               "lm_head.weight": sd["output.weight"]}
+    for i in range(a.n_layer):
+        weights.update(export_layer(sd, f"layers.{i}.", f"model.layers.{i}.", a))
+    weight = target.output.weight
+    with torch.device(weight.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=weight.dtype)
+    hf.load_state_dict(weights, strict=False)  # strict=False: rotary buffers and a tied lm_head
+    return hf.eval()
+
+
+def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool) -> dict:
+    """The same prompt and weights: transformers' generate, our plain decoding, our EAGLE-2 (tokens/s)."""
+    device = target.output.weight.device
+    prompt = torch.randint(0, min(target.args.vocab_size, 32000), (64,)).tolist()
+    rows = {}
+    if with_hf:
+        hf, ids = hf_twin(target), torch.tensor([prompt], device=device)
+        kwargs = dict(max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+            device_sync(device)
+            t0 = time.perf_counter()
+            hf_tokens = hf.generate(ids, **kwargs)[0, len(prompt):].tolist()
+            device_sync(device)
+        rows["transformers generate"] = {"tokens_per_s": n_tokens / (time.perf_counter() - t0)}
+        del hf
+    for name, kwargs in [("eaglet plain", {"step_fn": step_fns["plain"]}),
+                         ("eaglet EAGLE-2", {"draft": draft, "tree": tree, "step_fn": step_fns["spec"]})]:
+        generate(target, prompt, 16, GREEDY, **kwargs)  # warm-up (compilation)
+        result = generate(target, prompt, n_tokens, GREEDY, **kwargs)
+        rows[name] = {"tokens_per_s": result.tokens_per_s, "tau": result.tau if result.accept_lengths else None,
+                      "tokens": result.tokens}
+    if with_hf:  # same weights, same greedy tokens (bf16 may flip a rare near-tie)
+        rows["transformers generate"]["tokens"] = hf_tokens
+    base = rows.get("transformers generate", rows["eaglet plain"])["tokens_per_s"]
+    plain_tokens = rows["eaglet plain"]["tokens"]
+    for row in rows.values():
+        row["speedup"] = row["tokens_per_s"] / base
+        row["same_tokens_as_plain"] = row.pop("tokens") == plain_tokens
+    return rows
+
+
+def markdown(results: dict) -> str:
+    setup, plain, cycle = results["setup"], results["plain"], results["cycle"]
+    lines = [f"## {setup['model']} on {setup['device_name']} ({setup['precision']}, compile={setup['compile']})", "",
+             f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
+             f"Measured copy bandwidth: {setup['copy_GB_per_s']:.1f} GB/s", "",
+             "| plain decoding | value |", "| --- | --- |",
+             f"| step | {plain['step_ms']:.3f} ms |", f"| tokens/s | {plain['tokens_per_s']:.1f} |",
+             f"| weights | {plain['weights_GB']:.2f} GB |",
+             f"| GB/s | {plain['GB_per_s']:.1f} ({100 * plain['fraction_of_copy_bandwidth']:.0f}% of copy) |",
+             f"| recompiles after warm-up | {plain['recompiles_after_warmup']} |", "",
+             "| EAGLE-2 cycle ({total_tokens}/{depth}/{topk}) | ms | plain steps | recompiles |".format(**setup["tree"]),
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} |"
+              for name, r in cycle["phases"].items()]
+    lines += ["", f"Bytes floor of a cycle: {cycle['cycle_bytes_GB']:.2f} GB = {cycle['floor_plain_steps']:.2f} plain "
+              f"steps = {cycle['floor_ms']:.3f} ms; measured cycle / floor = {cycle['measured_over_floor']:.2f}", "",
+              "| side by side, same weights | tokens/s | tau | speedup | same tokens as plain |",
+              "| --- | --- | --- | --- | --- |"]
+    for name, r in results["side_by_side"].items():
+        tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {tau} | {r['speedup']:.2f}x | {r['same_tokens_as_plain']} |")
+    limit = results["limit"]
+    lines += ["", f"Physical limit at tau {limit['tau']:.2f}: {limit['tokens_per_s']:.1f} tokens/s; measured "
+              f"EAGLE-2 reaches {100 * limit['fraction']:.0f}% of it."]
+    if "eval" in results:
+        lines += ["", "| task | turns (skipped: too long) | tau | plain tok/s | EAGLE-2 tok/s | speedup | "
+                  "greedy mismatches |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {task} | {r['turns']} ({r['skipped']}) | {r['tau']:.2f} | {r['plain_tokens_per_s']:.1f} | "
+                  f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {len(r['mismatches'])} |"
+                  for task, r in results["eval"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")
+    p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape (no checkpoint needed)")
+    p.add_argument("--checkpoint_path", type=Path, help="a converted target (model.pth)")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="its draft.pth (else a random head of its shape)")
+    p.add_argument("--tokenizer", type=Path, help="for --eval with --model: a tokenizer file or folder")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--tree_topk", type=int, default=10)
+    p.add_argument("--total_tokens", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--side_tokens", type=int, default=128, help="tokens generated in the side-by-side run")
+    p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
+    p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files")
+    p.add_argument("--questions", type=int, default=5, help="questions per task in --eval")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="per turn in --eval")
+    p.add_argument("--max_seq_length", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="writes OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    if (args.model is None) == (args.checkpoint_path is None):
+        p.error("give exactly one of --model and --checkpoint_path")
+    return args
+
+
+def load_models(args, device: str):
+    dtype = PRECISIONS[args.precision]
+    if args.model:
+        return random_models(args.model, device, dtype, args.max_seq_length)
+    target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length)
+    if args.draft_checkpoint_path:
+        return target, load_draft(args.draft_checkpoint_path, target)
+    draft = random_module(EagleDraft, head_args({"model_type": target.args.model_type, **SHAPES["tiny"],
+                                                 "hidden_size": target.args.dim, "num_hidden_layers": 1,
+                                                 "num_attention_heads": target.args.n_head,
+                                                 "num_key_value_heads": target.args.n_local_heads,
+                                                 "intermediate_size": target.args.intermediate_size,
+                                                 "vocab_size": target.args.vocab_size}), device, dtype)
+    draft.setup_caches(args.max_seq_length)
+    return target, draft
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        device = pick_device(args.device)
+        args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
+        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+        torch.manual_seed(0)
+        target, draft = load_models(args, device)
+        copy_bw = copy_bandwidth(device)
+        name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+        results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
+                             "precision": args.precision, "compile": args.compile, "tree": asdict(tree),
+                             "command": "python " + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
+                             "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+                             "copy_GB_per_s": copy_bw / 1e9}}
+        print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; timing plain decoding", flush=True)
+        results["plain"] = bench_plain(target, args.compile, copy_bw, args.repeats)
+        print("timing one EAGLE-2 cycle, phase by phase", flush=True)
+        step_s = results["plain"]["step_ms"] / 1e3
+        results["cycle"] = bench_cycle(target, draft, tree, args.compile, args.repeats, step_s, copy_bw)
+        step_fns = {"plain": compile_step(decode_one_token, device) if args.compile else decode_one_token,
+                    "spec": compile_step(speculative_cycle, device) if args.compile else speculative_cycle}
+        print("side by side on the same weights", flush=True)
+        results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf)
+        if args.eval:
+            tokenizer = Tokenizer(args.tokenizer or args.checkpoint_path.parent)
+            print(f"evaluating on {args.eval}", flush=True)
+            results["eval"] = run_eval(target, draft, tree, tokenizer, load_questions(args.eval, args.questions),
+                                       args.max_new_tokens, step_fns)
+        tau = results["side_by_side"]["eaglet EAGLE-2"]["tau"]
+        if "eval" in results:
+            taus = [r["tau"] for r in results["eval"].values() if r["turns"]]
+            tau = sum(taus) / len(taus) if taus else tau
+        limit = tau * copy_bw / (results["cycle"]["cycle_bytes_GB"] * 1e9)
+        results["limit"] = {"tau": tau, "tokens_per_s": limit,
+                            "fraction": results["side_by_side"]["eaglet EAGLE-2"]["tokens_per_s"] / limit}
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

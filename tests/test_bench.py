@@ -1,0 +1,80 @@
+"""bench.py end to end on tiny models (numbers printed, not asserted), and torch.compile on CPU without
+recompilation."""
+import json
+
+import pytest
+import torch
+
+import bench
+import generate
+from conftest import SHARED, head_config, random_head_weights, write_eagle_head
+from convert_hf_checkpoint import convert
+from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
+
+SMALL = ["--depth", "3", "--tree_topk", "4", "--total_tokens", "16", "--repeats", "2", "--side_tokens", "12"]
+
+
+def test_bench_random_shape_with_transformers_side_by_side(tmp_path):
+    bench.main(["--model", "tiny", "--hf", "--out", str(tmp_path / "r")] + SMALL)
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["plain"]["tokens_per_s"] > 0 and results["setup"]["copy_GB_per_s"] > 0
+    assert set(results["cycle"]["phases"]) == {"catch-up", "expansion (draft tree)", "verify",
+                                               "accept + compaction", "whole cycle"}
+    side = results["side_by_side"]
+    assert all(row["same_tokens_as_plain"] for row in side.values())  # fp32: the same greedy tokens
+    assert "| verify |" in (tmp_path / "r.md").read_text()
+
+
+def test_bench_eval_on_question_files(checkpoints, tmp_path):
+    target, _ = checkpoints("llama2")
+    head = tmp_path / "head"
+    write_eagle_head(head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
+    convert(head)
+    questions = SHARED / "data" / "prompts"
+    if not questions.is_dir():  # a fresh clone without ../shared: two questions of our own
+        questions = tmp_path / "q"
+        questions.mkdir()
+        (questions / "mine.jsonl").write_text("\n".join(json.dumps({"question_id": i, "category": "x",
+                                                                    "turns": ["w1 w2 w3", "w4"]}) for i in range(2)))
+    bench.main(["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path", str(head / "draft.pth"),
+                "--eval", str(questions), "--questions", "1", "--max_new_tokens", "16", "--max_seq_length", "512",
+                "--out", str(tmp_path / "r")] + SMALL)
+    results = json.loads((tmp_path / "r.json").read_text())
+    rows = results["eval"].values()
+    assert sum(row["turns"] for row in rows) >= 2 and all(row["mismatches"] == [] for row in rows)
+    print((tmp_path / "r.md").read_text())
+
+
+def test_compiled_plain_decoding_does_not_recompile(checkpoints):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    path, _ = checkpoints("llama31")
+    model = load_target(path / "model.pth", "cpu", "fp32", 128)
+    step = compile_step(decode_one_token, "cpu")
+    for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+        eager = generate.generate(model, prompt, 20, SamplingConfig())
+        compiled = generate.generate(model, prompt, 20, SamplingConfig(), step_fn=step)
+        assert compiled.tokens == eager.tokens
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every step of both prompts
+
+
+def test_compiled_speculative_cycle_does_not_recompile(tmp_path):
+    from conftest import make_agreeing_pair
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    target, head, _ = make_agreeing_pair(tmp_path, vocab=32, hidden=32, wrong_fraction=0.3)
+    convert(target), convert(head)
+    model = load_target(target / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(head / "draft.pth", model)
+    tree = TreeConfig(depth=2, topk=3, total_tokens=8)
+    step = compile_step(generate.speculative_cycle, "cpu")
+    lengths = set()
+    for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+        eager = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+        compiled = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree, step_fn=step)
+        assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
+        lengths |= set(compiled.accept_lengths)
+    assert len(lengths) >= 2  # different accepted lengths went through the same graph
+    assert counters["stats"]["unique_graphs"] == 1
