@@ -371,11 +371,20 @@ def report(result: GenerationResult, model: Transformer, device: str):
               f"(tokens per cycle: count -- {histogram})")
 
 
+def warm_up(gen: Callable, prompt: list):
+    """Run the compiled step a few times so that compilation and graph capture are not timed later."""
+    t0 = time.perf_counter()
+    gen(prompt, 12)
+    print(f"compilation and warm-up: {time.perf_counter() - t0:.1f} s")
+
+
 def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, model: Transformer):
     result = None
+    if args.compile:
+        warm_up(gen, prompt)
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
-        print(f"--- sample {i + 1}/{args.num_samples}" + (" (includes compilation)" if args.compile and i == 0 else ""))
+        print(f"--- sample {i + 1}/{args.num_samples}")
         print(args.prompt, end="", flush=True)
         result = gen(prompt, args.max_new_tokens, on_tokens=TextStreamer(tokenizer, prompt))
         report(result, model, args.device)
@@ -389,6 +398,8 @@ def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, model: Tra
 def run_interactive(args, gen: Callable, tokenizer: Tokenizer, model: Transformer):
     """Multi-turn chat; the conversation's KV stays in the cache and only new tokens are prefilled."""
     messages, cached = [], []
+    if args.compile:
+        warm_up(gen, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
     torch.manual_seed(args.seed)
     while True:
         try:
