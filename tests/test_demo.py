@@ -52,4 +52,4 @@ def test_generate_without_flags_uses_the_demo(tmp_path):
     out = tmp_path / "out.json"
     generate_module.main(["--prompt", "def fibonacci(n):", "--max_new_tokens", "32", "--json_out", str(out)])
     result = json.loads(out.read_text())
-    assert result["cycles"] > 0 and len(result["tokens"]) == 32
+    assert result["cycles"] > 0 and 0 < len(result["tokens"]) <= 32
