@@ -276,9 +276,10 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     ctx_len = torch.tensor(len(prompt_tokens), device=device)
     if draft is not None:
         step_fn = step_fn or speculative_cycle
+        # The draft reads the prompt's pairs (f_t, x_{t+1}), the last one pairing with the root.
         pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], device=device), token.view(1)])
-        pos = torch.arange(first, len(prompt_tokens), device=device)
-        h_last = draft_step(model, draft, pairs, features[0], pos, pos, causal_mask(pos, draft.max_seq_length))[-1]
+        h_last = catch_up(model, draft, pairs, features[0], torch.tensor(first, device=device),
+                          torch.tensor(len(pairs) - 1, device=device))
     while not done:
         if draft is None:
             token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling).clone()
