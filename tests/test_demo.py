@@ -13,7 +13,7 @@ from tokenizer import Tokenizer
 DEMO = ROOT / "demo"
 sys.path.insert(0, str(ROOT / "scripts"))
 pytestmark = pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reason="no demo/ (scripts/make_demo.py)")
-TAU_FLOOR = 3.0  # measured greedy tau on held-out code at defaults is in demo/RECIPE.json
+TAU_FLOOR = 4.0  # measured: 5.2 on these 12 prompts; 5.19 over 40 in demo/RECIPE.json (greedy, 60/6/10)
 
 
 @pytest.fixture(scope="module")
