@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from convert_hf_checkpoint import export_layer
 from draft import EagleDraft
-from generate import PRECISIONS, SamplingConfig, generate, load_target, pick_device
+from generate import SamplingConfig, generate, load_target, pick_device
 from model import EagletError, ModelArgs, Transformer
 from tokenizer import Tokenizer
 

@@ -2,7 +2,6 @@
 recompilation."""
 import json
 
-import pytest
 import torch
 
 import bench

@@ -1,7 +1,6 @@
 """Training a head: the loss goes down, the head is saved under the published keys, and the tools load it."""
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
