@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from draft import EagleDraft, head_args
+from draft import EagleDraft
 from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, commit, compile_step, decode_one_token,
                       device_sync, expand, generate, load_draft, load_target, pick_device, prefill, sample,
                       speculative_cycle, verify, weight_bytes)
@@ -45,7 +45,7 @@ def random_module(module_cls, args, device, dtype, **kwargs):
     with torch.no_grad():
         for name, p in module.named_parameters():
             p.normal_(0, 0.02) if p.dim() == 2 else p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
-    if getattr(args, "tie_word_embeddings", False):
+    if isinstance(module, Transformer) and args.tie_word_embeddings:  # to_empty unties shared weights
         module.output.weight = module.tok_embeddings.weight
     return module.eval()
 
@@ -54,7 +54,7 @@ def random_models(shape: str, device, dtype, max_seq_length: int):
     config = {"model_type": "llama", "max_position_embeddings": max(8192, max_seq_length), **SHAPES[shape]}
     target = random_module(Transformer, ModelArgs.from_hf_config(config), device, dtype)
     target.setup_caches(1, max_seq_length)
-    draft = random_module(EagleDraft, head_args({**config, "num_hidden_layers": 1}), device, dtype)
+    draft = random_module(EagleDraft, target.args, device, dtype)  # a head of the target's own shape
     draft.setup_caches(max_seq_length)
     return target, draft
 
@@ -338,12 +338,7 @@ def load_models(args, device: str):
     target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length)
     if args.draft_checkpoint_path:
         return target, load_draft(args.draft_checkpoint_path, target)
-    draft = random_module(EagleDraft, head_args({"model_type": target.args.model_type, **SHAPES["tiny"],
-                                                 "hidden_size": target.args.dim, "num_hidden_layers": 1,
-                                                 "num_attention_heads": target.args.n_head,
-                                                 "num_key_value_heads": target.args.n_local_heads,
-                                                 "intermediate_size": target.args.intermediate_size,
-                                                 "vocab_size": target.args.vocab_size}), device, dtype)
+    draft = random_module(EagleDraft, target.args, device, dtype)
     draft.setup_caches(args.max_seq_length)
     return target, draft
 

@@ -9,7 +9,7 @@ import resource
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -117,10 +117,14 @@ class TreeConfig:
     def __post_init__(self):
         if self.depth < 1 or self.topk < 1:
             raise EagletError(f"depth and tree_topk must be at least 1, got {self.depth} and {self.topk}")
-        pool = self.topk + self.depth * self.topk ** 2
-        if not 2 <= self.total_tokens <= pool + 1:
-            raise EagletError(f"total_tokens must be between 2 and {pool + 1} (1 + tree_topk + depth * "
-                              f"tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
+        if not 2 <= self.total_tokens <= self.max_total_tokens:
+            raise EagletError(f"total_tokens must be between 2 and {self.max_total_tokens} (1 + tree_topk + "
+                              f"depth * tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The root plus every candidate the expansion produces."""
+        return 1 + self.topk + self.depth * self.topk ** 2
 
     @property
     def scratch(self) -> int:
@@ -150,8 +154,8 @@ def time_forward(target: Transformer, n_tokens: int, repeats: int = 5) -> float:
 def pick_total_tokens(target: Transformer, tree: TreeConfig, tolerance: float = 0.1, log=print) -> int:
     """--total_tokens auto: the largest tree whose verify costs at most (1 + tolerance) x the smallest's.
     While a forward is memory bound, extra tree tokens are nearly free; past that knee they cost time."""
-    pool = tree.topk + tree.depth * tree.topk ** 2 + 1
-    sizes = [n for n in AUTO_SIZES if n <= min(pool, target.max_seq_length)] or [min(pool, 16)]
+    largest = min(tree.max_total_tokens, target.max_seq_length)
+    sizes = [n for n in AUTO_SIZES if n <= largest] or [largest]
     times = {n: time_forward(target, n) for n in sizes}
     chosen = max(n for n in sizes if times[n] <= (1 + tolerance) * times[sizes[0]])
     log("total_tokens auto: verify " + ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in times.items())
@@ -475,8 +479,9 @@ def main(argv=None):
         auto = args.total_tokens == "auto"
         if not auto and not args.total_tokens.isdigit():
             raise EagletError(f"--total_tokens must be a number or auto, got {args.total_tokens!r}")
-        pool = args.tree_topk + args.depth * args.tree_topk ** 2 + 1
-        tree = TreeConfig(args.depth, args.tree_topk, min(max(AUTO_SIZES), pool) if auto else int(args.total_tokens))
+        tree = TreeConfig(args.depth, args.tree_topk, 2)  # checks depth and tree_topk
+        size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else int(args.total_tokens)
+        tree = replace(tree, total_tokens=size)  # checks the size; auto sizes the cache for its largest
         model = load_target(args.checkpoint_path, args.device, args.precision)
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
         scratch = tree.scratch if args.draft_checkpoint_path else 0
@@ -494,7 +499,7 @@ def main(argv=None):
                               f"{model.args.vocab_size}: they do not belong together")
         draft = load_draft(args.draft_checkpoint_path, model) if args.draft_checkpoint_path else None
         if draft is not None and auto:
-            tree = TreeConfig(tree.depth, tree.topk, pick_total_tokens(model, tree))
+            tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
         if draft is not None and tree.topk > model.args.vocab_size:
             raise EagletError(f"tree_topk {tree.topk} exceeds the vocabulary ({model.args.vocab_size})")
         step_fn = speculative_cycle if draft is not None else decode_one_token
