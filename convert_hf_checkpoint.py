@@ -60,6 +60,9 @@ def convert_layer(weights: dict, src: str, dst: str) -> dict:
         out[f"{dst}attention.wqkv.bias"] = torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])
     if f"{attn}o_proj.bias" in weights:
         out[f"{dst}attention.wo.bias"] = weights.pop(f"{attn}o_proj.bias")
+    for norm in ("q_norm", "k_norm"):  # Qwen3
+        if f"{attn}{norm}.weight" in weights:
+            out[f"{dst}attention.{norm}.weight"] = weights.pop(f"{attn}{norm}.weight")
     if f"{src}input_layernorm.weight" in weights:
         out[f"{dst}attention_norm.weight"] = weights.pop(f"{src}input_layernorm.weight")
     return out

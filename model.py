@@ -1,9 +1,10 @@
-"""A LLaMA-family decoder (LLaMA-2/3/3.1/3.2, Vicuna, Mistral, Qwen2) with a static KV cache.
+"""A LLaMA-family decoder (LLaMA-2/3/3.1/3.2, Vicuna, Mistral, Qwen2, Qwen3) with a static KV cache.
 
 One forward serves prefill, one-token decode and a token tree: the caller passes the token ids,
 their RoPE positions, the cache slots their K/V go to, and a boolean mask over the whole cache.
-It returns the logits (optionally only at some positions) and the last hidden state after the
-final norm: the feature an EAGLE draft head reads.
+It returns the logits (optionally only at some positions) and the features its EAGLE draft head
+reads: the last hidden state after the final norm (EAGLE-1/2), or the hidden states entering the layers
+listed in `feature_layers`, concatenated (EAGLE-3).
 """
 import json
 import math
@@ -21,7 +22,7 @@ class EagletError(Exception):
     """A user mistake (bad path, bad checkpoint, bad value): printed as one line by the CLIs."""
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ModelArgs:
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     tie_word_embeddings: bool = False
     model_type: str = "llama"
     extra: dict = field(default_factory=dict)  # eos/bos ids and anything else worth keeping
@@ -65,7 +67,7 @@ class ModelArgs:
         if rope_type not in ("default", "linear", "llama3"):
             raise EagletError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
         sliding = config.get("sliding_window")
-        if model_type == "qwen2" and not config.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
             sliding = None
         return cls(
             vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layer=config["num_hidden_layers"],
@@ -76,7 +78,8 @@ class ModelArgs:
             rope_scaling=rope if rope_type != "default" else None,
             max_position_embeddings=config.get("max_position_embeddings", 4096), sliding_window=sliding,
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
-            o_bias=model_type == "llama" and bool(config.get("attention_bias")),
+            o_bias=model_type in ("llama", "qwen3") and bool(config.get("attention_bias")),
+            qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), model_type=model_type,
             extra={k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
         )
@@ -143,12 +146,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, in_dim: int = 0):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
         qkv_dim = (self.n_head + 2 * self.n_kv) * self.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wqkv = nn.Linear(in_dim or args.dim, qkv_dim, bias=args.qkv_bias)  # EAGLE-3 heads read 2 x dim
         self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
@@ -158,6 +163,8 @@ class Attention(nn.Module):
         q = q.view(bsz, seqlen, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:  # without a cache (training) the block attends to itself only
             k, v = self.kv_cache.update(cache_slots, k, v)
@@ -217,6 +224,14 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.rope: Optional[RotaryTable] = None
         self.max_seq_length = 0
+        self.feature_layers: tuple = ()  # set by an EAGLE-3 head: the layers whose input it reads
+
+    def set_feature_layers(self, layers):
+        """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead
+        of the final-normed last hidden state; index n_layer means the last layer's output, before the norm."""
+        if not all(0 <= i <= self.args.n_layer for i in layers):
+            raise EagletError(f"feature layers {list(layers)} do not exist in a {self.args.n_layer}-layer target")
+        self.feature_layers = tuple(layers)
 
     def setup_rope(self, max_seq_length: int):
         """RoPE tables only: enough for training, where forward gets cache_slots=None and a [T, T] mask."""
@@ -242,15 +257,21 @@ class Transformer(nn.Module):
                 logits_idx: Optional[Tensor] = None):
         """idx [B, T]; input_pos and cache_slots [T]; mask [T, max_seq_length] (True = may attend).
 
-        Returns (logits at logits_idx, or at every position; hidden state after the final norm [B, T, dim]).
+        Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(input_pos, x.dtype)
-        for layer in self.layers:
+        layer_inputs = {}  # kept only for the layers the draft head reads
+        for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                layer_inputs[i] = x
             x = layer(x, cos, sin, cache_slots, mask)
+        layer_inputs[len(self.layers)] = x
         hidden = self.norm(x)
         selected = hidden if logits_idx is None else hidden[:, logits_idx]
-        return self.output(selected), hidden
+        if not self.feature_layers:
+            return self.output(selected), hidden
+        return self.output(selected), torch.cat([layer_inputs[i] for i in self.feature_layers], dim=-1)
 
     def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
         """Copy K/V from src_slots to dst_slots in every layer, in place (accepted tree path -> context)."""

@@ -21,7 +21,7 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m[
 
 
 def tiny_config(kind: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                   initializer_range=0.1)
@@ -36,6 +36,10 @@ def tiny_config(kind: str):
         return MistralConfig(**common, num_key_value_heads=2, sliding_window=512)
     if kind == "qwen2":  # q/k/v bias, tied embeddings
         return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if kind == "qwen3":  # q/k norms, an explicit head_dim unlike hidden / heads, tied embeddings
+        return Qwen3Config(**common, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)
+    if kind == "llama8":  # deep enough for distinct EAGLE-3 feature layers 2, L//2, L-3
+        return LlamaConfig(**{**common, "num_hidden_layers": 8}, num_key_value_heads=2)
     raise ValueError(kind)
 
 
@@ -80,6 +84,10 @@ def make_hf_checkpoint(path: Path, kind: str, seed: int = 0, bin_shards: int = 0
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():  # norms away from their all-ones start, so that a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path, **save_kwargs)
     if bin_shards:
         resave_as_bin(path, bin_shards)

@@ -130,7 +130,7 @@ def test_convert_errors(tmp_path):
     expect_convert_error(tmp_path / "sharded", "missing")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    expect_convert_error(tmp_path / "gpt2", "supported model_type values: llama, mistral, qwen2")
+    expect_convert_error(tmp_path / "gpt2", "supported model_type values: llama, mistral, qwen2, qwen3")
     (tmp_path / "yarn").mkdir()
     config = tiny_config("llama2").to_dict()
     config.pop("rope_parameters", None)

@@ -5,10 +5,11 @@ import torch
 from model import Transformer, causal_mask
 
 CASES = [("llama2", {}, 0), ("llama31", {}, 0), ("llama31", {}, 3000), ("mistral", {}, 0), ("qwen2", {}, 0),
+         ("qwen3", {}, 0),
          ("llama2", {"max_shard_size": "100KB"}, 0),  # sharded safetensors
          ("llama31", {"bin_shards": 1}, 0),  # pytorch_model.bin
          ("qwen2", {"bin_shards": 3}, 0)]  # sharded .bin with its index
-CASE_IDS = ["llama2", "llama31", "llama31-rope-scaled-positions", "mistral", "qwen2-bias-tied",
+CASE_IDS = ["llama2", "llama31", "llama31-rope-scaled-positions", "mistral", "qwen2-bias-tied", "qwen3-qk-norm",
             "sharded-safetensors", "bin", "sharded-bin"]
 
 
@@ -56,6 +57,29 @@ def test_features_are_final_normed_hidden_state(checkpoints):
         logits, hidden = model(ids, pos, pos, causal_mask(pos, 64), logits_idx=torch.tensor([9]))
     assert rel_err(hidden, ref) < 1e-4
     assert logits.shape == (1, 1, 96)
+
+
+@pytest.mark.parametrize("layers", [(2, 4, 5), (1, 7, 3, 3)], ids=["eagle3-default", "configured-unsorted"])
+def test_feature_layers_are_hidden_states_entering_them(checkpoints, layers):
+    """EAGLE-3 features: transformers' output_hidden_states[i] is the residual stream entering layer i."""
+    path, hf = checkpoints("llama8")
+    model = load(path)
+    model.set_feature_layers(layers)
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        states = hf(ids, output_hidden_states=True).hidden_states
+        pos = torch.arange(10)
+        _, features = model(ids, pos, pos, causal_mask(pos, 64))
+    assert features.shape == (1, 10, 64 * len(layers))
+    for chunk, i in zip(features.split(64, dim=-1), layers):
+        assert rel_err(chunk, states[i]) < 1e-4
+
+
+def test_feature_layers_out_of_range(checkpoints):
+    from model import EagletError
+    model = load(checkpoints("llama8")[0])
+    with pytest.raises(EagletError, match="do not exist"):
+        model.set_feature_layers((2, 4, 9))
 
 
 # A tree over 7 nodes after the context: node i has parent PARENTS[i] (-1 = child of the last context token).
