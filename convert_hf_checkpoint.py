@@ -1,8 +1,9 @@
 """Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv),
-or an EAGLE-1/2 draft head folder into DIR/draft.pth; which one it is comes from the folder's contents.
+or an EAGLE-1/2 or EAGLE-3 draft head folder into DIR/draft.pth; which one it is comes from its contents.
 
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE-llama2-chat-7B
+    python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
 
 The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from draft import check_eagle_head, head_args
+from draft import head_args, head_kind
 from model import EagletError, ModelArgs
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -128,6 +129,43 @@ def convert_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
     return out
 
 
+def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
+    """An EAGLE-3 head: fc, the midlayer, its norm, lm_head and d2t. Its embedding is kept only when the config
+    sets target_hidden_size (a head narrower or wider than its target); t2d is checked against d2t, then dropped."""
+    args = head_args(config)
+    embed, t2d, d2t = weights.pop("embed_tokens.weight", None), weights.pop("t2d", None), weights.pop("d2t", None)
+    try:
+        out = {"fc.weight": weights.pop("fc.weight"), "norm.weight": weights.pop("norm.weight"),
+               "lm_head.weight": weights.pop("lm_head.weight"),
+               "layer.hidden_norm.weight": weights.pop("midlayer.hidden_norm.weight"),
+               "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}
+        out.update(convert_layer(weights, "midlayer.", "layer."))
+    except KeyError as e:
+        raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
+    draft_vocab = out["lm_head.weight"].shape[0]
+    if config.get("draft_vocab_size", draft_vocab) != draft_vocab:
+        raise EagletError(f"{checkpoint_dir}: lm_head has {draft_vocab} rows but draft_vocab_size is "
+                          f"{config['draft_vocab_size']}")
+    if d2t is None and draft_vocab != args.vocab_size:
+        raise EagletError(f"{checkpoint_dir}: no d2t to map its {draft_vocab} draft tokens to target tokens")
+    out["d2t"] = torch.zeros(draft_vocab, dtype=torch.long) if d2t is None else d2t.long()
+    if out["d2t"].shape != (draft_vocab,):
+        raise EagletError(f"{checkpoint_dir}: d2t has {tuple(out['d2t'].shape)} entries but lm_head has "
+                          f"{draft_vocab} rows")
+    target_ids = torch.arange(draft_vocab) + out["d2t"]
+    if t2d is not None and not (t2d.shape == (args.vocab_size,) and int(t2d.sum()) == draft_vocab
+                                and 0 <= target_ids.min() and target_ids.max() < args.vocab_size
+                                and t2d.bool()[target_ids].all()):
+        raise EagletError(f"{checkpoint_dir}: t2d and d2t disagree about the draft vocabulary")
+    if embed is not None and config.get("target_hidden_size"):
+        if tuple(embed.shape) != (args.vocab_size, args.dim):
+            raise EagletError(f"{checkpoint_dir}: embed_tokens {tuple(embed.shape)} does not match config.json")
+        out["embed.weight"] = embed
+    if weights:
+        raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])}")
+    return out
+
+
 def convert(checkpoint_dir) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -141,8 +179,9 @@ def convert(checkpoint_dir) -> Path:
     if any(k.startswith("model.") for k in weights):
         out_path, state_dict = checkpoint_dir / "model.pth", convert_target(checkpoint_dir, config, weights)
     else:  # a draft head: its keys have no "model." prefix
-        check_eagle_head(config, weights, str(checkpoint_dir))
-        out_path, state_dict = checkpoint_dir / "draft.pth", convert_head(checkpoint_dir, config, weights)
+        eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"
+        convert_fn = convert_eagle3_head if eagle3 else convert_head
+        out_path, state_dict = checkpoint_dir / "draft.pth", convert_fn(checkpoint_dir, config, weights)
     torch.save(state_dict, out_path)
     return out_path
 

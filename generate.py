@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from draft import DraftTree, EagleDraft, build_tree
+from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab
 from model import EagletError, Transformer, attention_mask, causal_mask
 from tokenizer import Tokenizer
 
@@ -163,15 +163,6 @@ def pick_total_tokens(target: Transformer, tree: TreeConfig, tolerance: float = 
     return chosen
 
 
-def draft_step(target: Transformer, draft: EagleDraft, tokens, features, input_pos, slots, mask) -> Tensor:
-    """Draft outputs [T, dim] for tokens [T] paired with features [T, dim] (f_t, or a parent's output)."""
-    return draft(target.tok_embeddings(tokens)[None], features[None], input_pos, slots, mask)[0]
-
-
-def draft_logp(target: Transformer, h: Tensor) -> Tensor:
-    return torch.log_softmax(target.output(h).float(), dim=-1)
-
-
 def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
     """The longest path of the tree the target agrees with, and the bonus token after it.
 
@@ -195,10 +186,10 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     return path, tree.depths[best][0], pick[best][0]
 
 
-def expand(target: Transformer, draft: EagleDraft, root, ctx_len, h_last, tree_config: TreeConfig) -> DraftTree:
+def expand(target: Transformer, draft: DraftHead, root, ctx_len, h_last, tree_config: TreeConfig) -> DraftTree:
     """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
-    return build_tree(lambda *a: draft_step(target, draft, *a), lambda h: draft_logp(target, h), h_last, root,
-                      ctx_len, tree_config.topk, tree_config.depth, tree_config.total_tokens, target.max_seq_length)
+    return build_tree(partial(draft.step, target), partial(draft.topk, target), h_last, root, ctx_len,
+                      tree_config.topk, tree_config.depth, tree_config.total_tokens, target.max_seq_length)
 
 
 def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
@@ -220,16 +211,16 @@ def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor
     return emitted, n_accepted, bonus, path
 
 
-def catch_up(target: Transformer, draft: EagleDraft, emitted: Tensor, features: Tensor, ctx_len: Tensor,
+def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: Tensor, ctx_len: Tensor,
              n_accepted: Tensor) -> Tensor:
     """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
     fixed count; returns its output for the last real pair."""
     pos = ctx_len + torch.arange(emitted.shape[0], device=ctx_len.device)
-    h = draft_step(target, draft, emitted, features, pos, pos, causal_mask(pos, draft.max_seq_length))
+    h = draft.step(target, emitted, features, pos, pos, causal_mask(pos, draft.max_seq_length))
     return h.index_select(0, n_accepted.view(1))[0]
 
 
-def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_len: Tensor, h_last: Tensor,
+def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_len: Tensor, h_last: Tensor,
                       tree_config: TreeConfig, sampling: SamplingConfig):
     """One EAGLE-2 cycle with fixed shapes: expand, verify, commit, catch up.
 
@@ -248,7 +239,7 @@ def speculative_cycle(target: Transformer, draft: EagleDraft, root: Tensor, ctx_
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
-             draft: Optional[EagleDraft] = None, tree: Optional[TreeConfig] = None,
+             draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
              step_fn: Optional[Callable] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
@@ -339,11 +330,25 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
     return model
 
 
-def load_draft(checkpoint_path, target: Transformer) -> EagleDraft:
-    """An EAGLE-1/2 head for this target, on its device and in its dtype, with a cache as long as its."""
+def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None) -> DraftHead:
+    """An EAGLE-1/2 or EAGLE-3 head for this target, on its device and in its dtype, with a cache as long as
+    the target's (if that has one yet). The target is set to return the features the head reads.
+    draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
+    beside the head, if there is one ("full": the whole vocabulary)."""
     weight = target.output.weight
-    draft = EagleDraft.from_checkpoint(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
-    draft.setup_caches(target.max_seq_length)
+    draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
+    target.set_feature_layers(draft.feature_layers)
+    beside = Path(checkpoint_path).parent / "draft_vocab.json"
+    if draft_vocab is None and isinstance(draft, EagleDraft) and beside.is_file():
+        draft_vocab = beside
+    if draft_vocab is not None and str(draft_vocab) != "full":
+        if not isinstance(draft, EagleDraft):
+            raise EagletError("an EAGLE-3 head has its own draft vocabulary (d2t); --draft_vocab is for EAGLE-1/2 heads")
+        draft.restrict_vocab(target, read_draft_vocab(draft_vocab, target.args.vocab_size))
+        if log:
+            log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft_vocab}")
+    if target.max_seq_length:
+        draft.setup_caches(target.max_seq_length)
     return draft
 
 
@@ -436,9 +441,12 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="draft.pth of an EAGLE-1/2 head: switches to EAGLE-2 speculative decoding")
+                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head: switches to speculative decoding")
+    p.add_argument("--draft_vocab", default=None,
+                   help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
+                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
     p.add_argument("--no_draft", action="store_true", help="plain decoding of the demo (no head)")
-    p.add_argument("--depth", type=int, default=6, help="draft tree expansion steps")
+    p.add_argument("--depth", type=int, default=None, help="draft tree expansion steps (default: 6, 7 for EAGLE-3)")
     p.add_argument("--tree_topk", type=int, default=10, help="children per node and nodes kept per level")
     p.add_argument("--total_tokens", default="60",
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
@@ -479,12 +487,18 @@ def main(argv=None):
         auto = args.total_tokens == "auto"
         if not auto and not args.total_tokens.isdigit():
             raise EagletError(f"--total_tokens must be a number or auto, got {args.total_tokens!r}")
-        tree = TreeConfig(args.depth, args.tree_topk, 2)  # checks depth and tree_topk
+        default_depth = 6 if args.depth is None else args.depth
+        TreeConfig(default_depth, args.tree_topk, 2)  # checks depth and tree_topk before loading anything
+        model = load_target(args.checkpoint_path, args.device, args.precision)
+        draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
+            if args.draft_checkpoint_path else None
+        if draft is not None and args.depth is None:
+            default_depth = draft.default_depth
+        tree = TreeConfig(default_depth, args.tree_topk, 2)
         size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else int(args.total_tokens)
         tree = replace(tree, total_tokens=size)  # checks the size; auto sizes the cache for its largest
-        model = load_target(args.checkpoint_path, args.device, args.precision)
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
-        scratch = tree.scratch if args.draft_checkpoint_path else 0
+        scratch = tree.scratch if draft is not None else 0
         if args.interactive:
             prompt = None
             max_seq_length = args.max_seq_length or min(4096, model.args.max_position_embeddings)
@@ -497,11 +511,12 @@ def main(argv=None):
         if tokenizer.vocab_size > model.args.vocab_size:
             raise EagletError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.args.vocab_size}: they do not belong together")
-        draft = load_draft(args.draft_checkpoint_path, model) if args.draft_checkpoint_path else None
+        if draft is not None:
+            draft.setup_caches(max_seq_length)
         if draft is not None and auto:
             tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
-        if draft is not None and tree.topk > model.args.vocab_size:
-            raise EagletError(f"tree_topk {tree.topk} exceeds the vocabulary ({model.args.vocab_size})")
+        if draft is not None and tree.topk > draft.vocab_size:
+            raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,

@@ -39,7 +39,7 @@ def tiny_config(kind: str):
     if kind == "qwen3":  # q/k norms, an explicit head_dim unlike hidden / heads, tied embeddings
         return Qwen3Config(**common, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)
     if kind == "llama8":  # deep enough for distinct EAGLE-3 feature layers 2, L//2, L-3
-        return LlamaConfig(**{**common, "num_hidden_layers": 8}, num_key_value_heads=2)
+        return LlamaConfig(**{**common, "num_hidden_layers": 8}, num_key_value_heads=2, rope_theta=500000.0)
     raise ValueError(kind)
 
 
@@ -154,34 +154,40 @@ def head_config(hidden, heads, kv_heads, inter, vocab, **extra):
             "hidden_act": "silu", **extra}
 
 
-def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fraction=0.0, seed=0, layer_scale=1e-3,
-                       lm_head_noise=0.0):
-    """A target whose next token depends only on the current one (x -> perm[x], margin alpha in the logits)
-    and an EAGLE head that knows the rule: it maps its input embedding straight to the next feature.
-    wrong_fraction of the tokens are remapped in the head, so that the head is wrong on them; a larger
-    layer_scale lets the target's layers make the next token depend on the context too.
-    Returns (target folder, head folder, perm)."""
+def agreeing_target(target_dir: Path, embed, perm, alpha=12.0, layer_scale=1e-3, lm_head_noise=0.0, n_layers=2,
+                    g=None, seed=0):
+    """A LLaMA target whose next token depends only on the current one (x -> perm[x], margin alpha in the
+    logits): its layers add (almost) nothing to the residual stream, so its features are ~ embed[x]."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, inter = 4, 2, 2 * hidden
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
+    vocab, hidden = embed.shape
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     target = LlamaForCausalLM(config).eval()
-    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
-    embed = q[:vocab] * hidden ** 0.5  # orthogonal rows of RMS 1: the final norm leaves them unchanged
-    perm = torch.randperm(vocab, generator=g)
     with torch.no_grad():
         target.model.embed_tokens.weight.copy_(embed)
         target.lm_head.weight.copy_(alpha / hidden * embed[torch.argsort(perm)])  # logits peak at perm[x]
         target.lm_head.weight.add_(torch.randn(vocab, hidden, generator=g) * lm_head_noise / hidden ** 0.5)
-        for layer in target.model.layers:  # the layers add (almost) nothing to the residual stream
+        for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(layer_scale)
             layer.mlp.down_proj.weight.mul_(layer_scale)
-    target_dir = root / "target"
     target.save_pretrained(target_dir)
     write_tokenizer(target_dir, vocab)
+
+
+def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fraction=0.0, seed=0, layer_scale=1e-3,
+                       lm_head_noise=0.0):
+    """An agreeing target (see agreeing_target) and an EAGLE head that knows its rule: it maps its input
+    embedding straight to the next feature. wrong_fraction of the tokens are remapped in the head, so that
+    the head is wrong on them; a larger layer_scale lets the target's layers make the next token depend on
+    the context too. Returns (target folder, head folder, perm)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, inter = 4, 2, 2 * hidden
+    q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))
+    embed = q[:vocab] * hidden ** 0.5  # orthogonal rows of RMS 1: the final norm leaves them unchanged
+    perm = torch.randperm(vocab, generator=g)
+    agreeing_target(root / "target", embed, perm, alpha, layer_scale, lm_head_noise, g=g, seed=seed)
     remap = torch.arange(vocab)
     wrong = torch.randperm(vocab, generator=g)[:int(wrong_fraction * vocab)]
     remap[wrong] = wrong.roll(1)
@@ -192,7 +198,73 @@ def make_agreeing_pair(root: Path, vocab=64, hidden=64, alpha=12.0, wrong_fracti
     weights["embed_tokens.weight"] = embed.clone()
     head_dir = root / "head"
     write_eagle_head(head_dir, weights, head_config(hidden, heads, kv_heads, inter, vocab))
-    return target_dir, head_dir, perm
+    return root / "target", head_dir, perm
+
+
+def eagle3_head_weights(hidden: int, heads: int, kv_heads: int, inter: int, draft_vocab: int, target_vocab: int,
+                        target_hidden=None, std=0.05, generator=None):
+    """Random weights under the published EAGLE-3 key names; the draft vocabulary is a random sorted subset of
+    the target's (draft id i -> target id i + d2t[i]; t2d marks them)."""
+    head_dim, target_hidden = hidden // heads, target_hidden or hidden
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=generator) * std
+    target_ids = torch.randperm(target_vocab, generator=generator)[:draft_vocab].sort().values
+    d2t = target_ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(target_vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    w = {"fc.weight": rnd(hidden, 3 * target_hidden),
+         "midlayer.input_layernorm.weight": 1 + rnd(hidden), "midlayer.hidden_norm.weight": 1 + rnd(hidden),
+         "midlayer.post_attention_layernorm.weight": 1 + rnd(hidden),
+         "midlayer.self_attn.q_proj.weight": rnd(heads * head_dim, 2 * hidden),
+         "midlayer.self_attn.k_proj.weight": rnd(kv_heads * head_dim, 2 * hidden),
+         "midlayer.self_attn.v_proj.weight": rnd(kv_heads * head_dim, 2 * hidden),
+         "midlayer.self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
+         "midlayer.mlp.gate_proj.weight": rnd(inter, hidden), "midlayer.mlp.up_proj.weight": rnd(inter, hidden),
+         "midlayer.mlp.down_proj.weight": rnd(hidden, inter), "norm.weight": 1 + rnd(hidden),
+         "lm_head.weight": rnd(draft_vocab, hidden) * 20, "d2t": d2t, "t2d": t2d}
+    if target_hidden != hidden:
+        w["embed_tokens.weight"] = rnd(target_vocab, hidden) * 20
+    return w
+
+
+def eagle3_config(hidden, heads, kv_heads, inter, vocab, draft_vocab, **extra):
+    return {**head_config(hidden, heads, kv_heads, inter, vocab), "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft_vocab, **extra}
+
+
+def make_agreeing_eagle3_pair(root: Path, vocab=48, hidden=64, n_layers=8, missing=0, seed=0):
+    """An agreeing target (see agreeing_target) whose embeddings share a constant first coordinate, and an
+    EAGLE-3 head built to know its rule. The head's attention keys and queries read only that constant, so
+    under RoPE every position attends (almost) only to itself; its values carry embed(token) minus the
+    normalised input, so the output is g * embed(token) whatever the input (a target feature fused by fc,
+    or the parent's output); its lm_head scores perm[token]. `missing` target tokens are left out of the
+    draft vocabulary, so paths through them are never proposed. Returns (target folder, head folder)."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(hidden - 1, hidden - 1, generator=g))
+    embed = torch.cat([torch.ones(vocab, 1), q[:vocab] * (hidden - 1) ** 0.5], dim=1)  # RMS 1 rows
+    perm = torch.randperm(vocab, generator=g)
+    agreeing_target(root / "target", embed, perm, n_layers=n_layers, g=g, seed=seed)
+    heads, head_dim, gain, s = 4, hidden // 4, 4.0, 18.0
+    kept = torch.randperm(vocab, generator=g)[missing:].sort().values  # the draft vocabulary, as target ids
+    eye = torch.eye(hidden)
+    qk = torch.zeros(hidden, 2 * hidden)
+    for h in range(heads):  # the first half of each head's dims: the rotated halves of each RoPE pair
+        qk[h * head_dim:h * head_dim + head_dim // 2, 0] = s
+    w = eagle3_head_weights(hidden, heads, heads, 2 * hidden, len(kept), vocab, generator=g)
+    w.update({"fc.weight": gain / 3 * torch.cat([eye, eye, eye], dim=1),  # features ~ embed, 3 times
+              "midlayer.input_layernorm.weight": torch.ones(hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
+              "midlayer.self_attn.q_proj.weight": qk, "midlayer.self_attn.k_proj.weight": qk.clone(),
+              "midlayer.self_attn.v_proj.weight": gain * torch.cat([eye, -eye], dim=1),
+              "midlayer.self_attn.o_proj.weight": eye.clone(),
+              "midlayer.mlp.down_proj.weight": torch.zeros(hidden, 2 * hidden), "norm.weight": torch.ones(hidden),
+              "lm_head.weight": 12.0 / hidden * embed[torch.argsort(perm)[kept]],
+              "d2t": kept - torch.arange(len(kept))})
+    w["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    w["t2d"][kept] = True
+    head_dir = root / "head"
+    write_eagle_head(head_dir, w, eagle3_config(hidden, heads, heads, 2 * hidden, vocab, len(kept)))
+    return root / "target", head_dir
 
 
 def scripted_input(lines):

@@ -61,7 +61,7 @@ def test_tree_matches_brute_force(topk, depth, total_tokens, seed):
     draft = FakeDraft(seed)
     h_last = torch.randn(H, generator=torch.Generator().manual_seed(100 + seed))
     root, ctx_len, size = torch.tensor(7), torch.tensor(11), 11 + max(depth * topk, total_tokens) + 5
-    tree = build_tree(draft.step, draft.logp, h_last, root, ctx_len, topk, depth, total_tokens, size)
+    tree = build_tree(draft.step, lambda h, k: draft.logp(h).topk(k), h_last, root, ctx_len, topk, depth, total_tokens, size)
     calls = list(draft.calls)
     expected, levels = reference_tree(draft, h_last, topk, depth, total_tokens)
 
