@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import generate
-from conftest import make_agreeing_pair
+from conftest import eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, accept, load_draft, load_target, logits_to_probs, sample
 
@@ -22,6 +22,20 @@ def pair(tmp_path_factory):
                                          layer_scale=20.0, lm_head_noise=1.0)
     convert(target), convert(head)
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    return target, model, load_draft(head / "draft.pth", model)
+
+
+@pytest.fixture(scope="module")
+def eagle3_pair(pair, tmp_path_factory):
+    """The same target with a random EAGLE-3 head: 6 of its 8 tokens in the draft vocabulary, and the
+    features named by layer ids (the 2-layer target has no layers 2, L//2, L-3)."""
+    target = pair[0]
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)  # its own: the features it returns differ
+    head = tmp_path_factory.mktemp("eagle3_sampling")
+    weights = eagle3_head_weights(16, 4, 2, 32, 6, VOCAB, std=0.3, generator=torch.Generator().manual_seed(0))
+    write_eagle_head(head, weights, eagle3_config(16, 4, 2, 32, VOCAB, 6,
+                                                  eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 0, 1]}))
+    convert(head)
     return target, model, load_draft(head / "draft.pth", model)
 
 
@@ -81,6 +95,13 @@ def chi_square_p_below(counts, dist, alpha=1e-3):
                                       SamplingConfig(temperature=1.3, top_k=5)], ids=["t1", "t0.8-top_p0.9", "t1.3-top_k5"])
 def test_speculative_sampling_matches_target_distribution(pair, sampling):
     target_dir, model, draft = pair
+    counts = speculative_samples(model, draft, sampling)
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
+def test_eagle3_sampling_matches_target_distribution(eagle3_pair):
+    target_dir, model, draft = eagle3_pair
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
     counts = speculative_samples(model, draft, sampling)
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
 
