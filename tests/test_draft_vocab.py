@@ -1,0 +1,106 @@
+"""A smaller draft vocabulary for EAGLE-1/2 heads (FR-Spec): the mapping is honoured, output stays lossless,
+and scripts/draft_vocab.py writes the most frequent tokens."""
+import json
+
+import pytest
+import torch
+
+import generate
+from conftest import expect_error, make_agreeing_pair, write_tokenizer
+from convert_hf_checkpoint import convert
+from generate import SamplingConfig, TreeConfig, expand, load_draft, load_target
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, head, perm = make_agreeing_pair(tmp_path_factory.mktemp("vocab_pair"))  # vocab 64, tau 8 at 60/6/10
+    convert(target), convert(head)
+    return target, head, perm
+
+
+def write_vocab(path, token_ids):
+    path.write_text(json.dumps({"token_ids": [int(t) for t in token_ids]}))
+    return path
+
+
+def run(model, draft, prompts):
+    lengths = []
+    for prompt in prompts:
+        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        assert spec.tokens == generate.generate(model, prompt, 40, GREEDY).tokens
+        lengths += spec.accept_lengths
+    return sum(lengths) / len(lengths)
+
+
+PROMPTS = [[1, 5, 9], [1, 20, 33, 40], [1, 63], [1, 7, 7, 12, 50]]
+
+
+def test_reordered_full_vocabulary_keeps_every_acceptance(pair, tmp_path):
+    """Every token, shuffled: the draft's ids must go through the mapping or nothing would be accepted."""
+    target_dir, head_dir, _ = pair
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    draft = load_draft(head_dir / "draft.pth", model, write_vocab(tmp_path / "v.json", shuffled))
+    assert draft.vocab_size == 64 and draft.vocab_lm_head.shape == (64, 64)
+    assert run(model, draft, PROMPTS) == 8.0
+
+
+def test_reduced_vocabulary_is_lossless_and_proposes_only_its_tokens(pair, tmp_path):
+    target_dir, head_dir, perm = pair
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    kept = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40]
+    draft = load_draft(head_dir / "draft.pth", model, write_vocab(tmp_path / "v.json", kept))
+    tau = run(model, draft, PROMPTS)
+    print(f"tau with 40 of 64 tokens: {tau:.2f} (8.00 with all)")
+    assert 1.0 < tau < 8.0
+    with torch.no_grad():  # one expansion after a prefill: every proposed token is in the draft vocabulary
+        logits, features = generate.prefill(model, torch.tensor([[1, 5, 9]]), 0)
+        root = logits.argmax(-1)[0]
+        h = generate.catch_up(model, draft, torch.tensor([5, 9, int(root)]), features[0], torch.tensor(0),
+                              torch.tensor(2))
+        tree = expand(model, draft, root, torch.tensor(3), h, TreeConfig())
+    assert set(tree.tokens[1:].tolist()) <= set(kept.tolist())
+
+
+def test_cli_finds_the_vocabulary_beside_the_head(pair, tmp_path, capsys):
+    target_dir, head_dir, _ = pair
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "draft.pth"):
+        (head / name).write_bytes((head_dir / name).read_bytes())
+    write_vocab(head / "draft_vocab.json", range(10, 50))
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w5",
+            "--max_new_tokens", "20", "--draft_checkpoint_path", str(head / "draft.pth")]
+    generate.main(base)
+    assert "draft vocabulary: 40 of 64 tokens" in capsys.readouterr().out
+    generate.main(base + ["--draft_vocab", "full"])
+    assert "draft vocabulary" not in capsys.readouterr().out
+    expect_error(base + ["--tree_topk", "41", "--total_tokens", "40"], "tree_topk 41 exceeds the draft's vocabulary (40)")
+    for name, ids in [("dup", [3, 3, 4]), ("range", [3, 64]), ("empty", [])]:
+        expect_error(base + ["--draft_vocab", str(write_vocab(tmp_path / f"{name}.json", ids))],
+                     "token_ids must be distinct ids below the target's vocabulary (64)")
+    (tmp_path / "bad.json").write_text("{not json")
+    expect_error(base + ["--draft_vocab", str(tmp_path / "bad.json")], "cannot read the draft vocabulary")
+
+
+def test_script_writes_the_most_frequent_tokens(tmp_path, capsys):
+    import scripts.draft_vocab as script
+    write_tokenizer(tmp_path)
+    text = tmp_path / "a.txt"
+    text.write_text("w7 w7 w7 w9 w9 w11\nw7 w9 w30")  # ids = word index + 4
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["w30 w30 w30 w30"], "reference": ["w12"]}) + "\n")
+    out = tmp_path / "draft_vocab.json"
+    script.main(["--tokenizer", str(tmp_path), "--data", str(text), str(questions), "--size", "4", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["token_ids"] == [2, 34, 11, 13]  # EOS first (always kept), then w30 (5), w7 (4), w9 (3)
+    assert written["counted_tokens"] == 14 and "4 of 96 tokens" in capsys.readouterr().out
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(out)], "exists", main=script.main)
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(tmp_path / "v.json"), "--size", "0"],
+                 "--size must be at least 1", main=script.main)
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "v.json")],
+                 "no such file or folder", main=script.main)
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(tmp_path / "no" / "v.json")],
+                 "no folder", main=script.main)
