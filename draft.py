@@ -4,7 +4,6 @@ The head is one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{
 is the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head
 and doubles as the estimate of f_{t+1}. It shares the target's embedding and lm_head.
 """
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +11,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import EagletError, KVCache, ModelArgs, RotaryTable, TransformerBlock, attention_mask, load_state_dict
+from model import (EagletError, KVCache, ModelArgs, RotaryTable, TransformerBlock, attention_mask, load_state_dict,
+                   mismatch_detail, read_config)
 
 
 class EagleDraft(nn.Module):
@@ -48,8 +48,7 @@ class EagleDraft(nn.Module):
         if not checkpoint_path.is_file():
             raise EagletError(f"draft checkpoint not found: {checkpoint_path} "
                               "(run convert_hf_checkpoint.py --checkpoint_dir on the head's folder first)")
-        config_path = checkpoint_path.parent / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_config(checkpoint_path.parent)  # the head's shape is in it
         state_dict = load_state_dict(checkpoint_path)
         check_eagle_head(config, state_dict, str(checkpoint_path))
         args = head_args(config)
@@ -62,7 +61,7 @@ class EagleDraft(nn.Module):
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
-            raise EagletError(f"{checkpoint_path} does not match its config.json: {str(e).splitlines()[0]}")
+            raise EagletError(f"{checkpoint_path} does not match its config.json: {mismatch_detail(e)}")
         return model.to(device=device, dtype=dtype).eval()
 
 
