@@ -6,7 +6,6 @@
 import argparse
 import json
 import math
-import os
 import re
 import resource
 import sys
