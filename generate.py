@@ -64,9 +64,10 @@ class GenerationResult:
 def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """The target distribution under temperature, top-k and top-p; the one place sampling is defined."""
     logits = logits.float()
-    # Dividing (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot overflow to
-    # inf - inf = nan: it just tends to greedy.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
+    # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
+    # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.
+    temperature = max(sampling.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
