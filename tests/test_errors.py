@@ -13,7 +13,7 @@ import bench
 import convert_hf_checkpoint
 import generate
 import train_draft
-from conftest import ROOT, head_config, make_hf_checkpoint, random_head_weights, write_eagle_head, write_tokenizer
+from conftest import ROOT, head_config, random_head_weights, write_eagle_head, write_tokenizer
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import download  # noqa: E402
