@@ -7,7 +7,6 @@ phase, an evaluation over FastChat question files, and transformers' own generat
 
 Writes a JSON file and a markdown table (--out, default bench_results); numbers are printed, never asserted.
 """
-import argparse
 import json
 import sys
 import time
@@ -17,11 +16,12 @@ from pathlib import Path
 import torch
 
 from draft import EagleDraft
-from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, commit, compile_step, decode_one_token,
-                      device_sync, expand, generate, load_draft, load_target, pick_device, prefill, sample,
-                      speculative_cycle, verify, weight_bytes)
+from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, cli_parser, commit,
+                      compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand, generate, int_flag,
+                      load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify, weight_bytes)
 from model import EagletError, ModelArgs, Transformer
 from tokenizer import Tokenizer
+from train_draft import read_questions
 
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -125,9 +125,7 @@ def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
     """Bytes a cycle must read at least: the target once, the draft layer + lm_head depth + 1 times, the KV."""
     args, elt = target.args, target.output.weight.element_size()
     kv = 2 * args.n_layer * args.n_local_heads * args.head_dim * elt * ctx
-    lm_head = target.output.weight.numel() * elt
-    return {"plain_step": weight_bytes(target) + kv,
-            "cycle": weight_bytes(target) + kv + (tree.depth + 1) * (weight_bytes(draft) + lm_head)}
+    return {"plain_step": weight_bytes(target) + kv, "cycle": cycle_weight_bytes(target, draft, tree) + kv}
 
 
 def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s, copy_bw) -> dict:
@@ -161,8 +159,7 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
 def load_questions(eval_dir: Path, per_task: int) -> dict:
     tasks = {}
     for path in sorted(Path(eval_dir).glob("*.jsonl")):
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        tasks[path.stem] = [json.loads(line) for line in lines[:per_task]]
+        tasks[path.stem] = read_questions(path)[:per_task]
     if not tasks:
         raise EagletError(f"no .jsonl question files in {eval_dir}")
     return tasks
@@ -175,7 +172,8 @@ def run_eval(target, draft, tree, tokenizer: Tokenizer, tasks: dict, max_new_tok
     for task, questions in tasks.items():
         stats = {"plain_tokens": 0, "plain_s": 0.0, "spec_tokens": 0, "spec_s": 0.0, "accept_lengths": [],
                  "turns": 0, "mismatches": [], "skipped": 0}
-        for q in questions:
+        for i, q in enumerate(questions):
+            print(f"{task}: question {i + 1}/{len(questions)}", flush=True)
             messages = []
             for turn in q["turns"]:
                 messages.append({"role": "user", "content": turn})
@@ -305,29 +303,35 @@ def git_commit() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
+    p = cli_parser(__doc__)
     p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape (no checkpoint needed)")
     p.add_argument("--checkpoint_path", type=Path, help="a converted target (model.pth)")
     p.add_argument("--draft_checkpoint_path", type=Path, help="its draft.pth (else a random head of its shape)")
     p.add_argument("--tokenizer", type=Path, help="for --eval with --model: a tokenizer file or folder")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--tree_topk", type=int, default=10)
-    p.add_argument("--total_tokens", type=int, default=60)
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-    p.add_argument("--side_tokens", type=int, default=128, help="tokens generated in the side-by-side run")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
+    p.add_argument("--depth", type=int_flag(1), default=6, help="draft tree expansion steps")
+    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
+    p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
+    p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
+    p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated in the side-by-side run")
     p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
     p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files")
-    p.add_argument("--questions", type=int, default=5, help="questions per task in --eval")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="per turn in --eval")
-    p.add_argument("--max_seq_length", type=int, default=2048)
+    p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
+    p.add_argument("--max_seq_length", type=int_flag(1), default=2048, help="size of the KV caches")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
     if (args.model is None) == (args.checkpoint_path is None):
         p.error("give exactly one of --model and --checkpoint_path")
+    if args.eval and not args.eval.is_dir():
+        p.error(f"--eval {args.eval} is not a folder")
+    if args.eval and args.model and not args.tokenizer:
+        p.error("--eval with --model needs --tokenizer (random weights come with none)")
+    if args.max_seq_length < 64 + args.side_tokens + args.total_tokens:
+        p.error(f"--max_seq_length {args.max_seq_length} is below the side-by-side run's prompt (64 tokens) + "
+                f"--side_tokens ({args.side_tokens}) + --total_tokens ({args.total_tokens})")
     return args
 
 
@@ -348,6 +352,12 @@ def main(argv=None):
     try:
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise EagletError(f"--out {args.out}: cannot make its folder: {e.strerror}")
+        for suffix in (".json", ".md"):  # before the long work, not after it
+            check_writable(args.out.with_suffix(suffix), "--out")
         tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
         torch.manual_seed(0)
         target, draft = load_models(args, device)
@@ -381,7 +391,6 @@ def main(argv=None):
                             "fraction": results["side_by_side"]["eaglet EAGLE-2"]["tokens_per_s"] / limit}
     except EagletError as e:
         sys.exit(f"error: {e}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
     args.out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))

@@ -7,43 +7,78 @@ or an EAGLE-1/2 or EAGLE-3 draft head folder into DIR/draft.pth; which one it is
 
 The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.
 """
-import argparse
 import json
 import sys
+import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from draft import head_args, head_kind
-from model import EagletError, ModelArgs
+from generate import cli_parser
+from model import EagletError, ModelArgs, load_state_dict, read_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
 
-def load_hf_weights(checkpoint_dir: Path) -> dict:
-    """All tensors of a checkpoint: single file or sharded, safetensors or .bin."""
+class LazyWeights(dict):
+    """name -> a function that reads that tensor from its shard; pop() reads it. The conversion holds the
+    tensors of one layer at a time, not the whole checkpoint (legacy-format .bin shards are read whole)."""
+
+    def pop(self, name, *default):
+        if default and name not in self:
+            return default[0]
+        return super().pop(name)()
+
+
+def weight_files(checkpoint_dir: Path) -> list:
+    """The checkpoint's weight files: one file, or the shards its index lists."""
     for name in WEIGHT_FILES:
         if (checkpoint_dir / name).is_file():
             break
     else:
         raise EagletError(f"no weights in {checkpoint_dir} (looked for {', '.join(WEIGHT_FILES)})")
     path = checkpoint_dir / name
-    files = [path]
-    if name.endswith(".index.json"):
+    if not name.endswith(".index.json"):
+        return [path]
+    try:
         weight_map = json.loads(path.read_text())["weight_map"]
         files = [checkpoint_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise EagletError(f"{checkpoint_dir}: shards listed in {name} are missing: {', '.join(missing)}")
-    weights = {}
-    for f in files:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise EagletError(f"{path} is not a valid index (a JSON object with a weight_map of file names): {e!r}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise EagletError(f"{checkpoint_dir}: shards listed in {name} are missing: {', '.join(missing)}")
+    return files
+
+
+def load_hf_weights(checkpoint_dir: Path, log=print) -> LazyWeights:
+    """All tensors of a checkpoint, single file or sharded, safetensors or .bin, read when taken."""
+    weights, files = LazyWeights(), weight_files(checkpoint_dir)
+    for i, f in enumerate(files):
+        if len(files) > 1:
+            log(f"reading shard {i + 1}/{len(files)}: {f.name}")
         if f.suffix == ".safetensors":
-            weights.update(load_file(str(f)))
+            try:
+                shard = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise EagletError(f"cannot read {f}: {e}")
+            weights.update({k: partial(shard.get_tensor, k) for k in shard.keys()})
         else:
-            weights.update(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True))
+            shard = load_state_dict(f)  # memory-mapped
+            weights.update({k: partial(shard.__getitem__, k) for k in shard})
     return weights
+
+
+def spill(tensors: dict, tmp_dir: Path, name: str) -> dict:
+    """Tensors written to a temporary file and mapped back: they wait on disk, not in memory, until the
+    final torch.save reads them."""
+    path = Path(tmp_dir) / f"{name}.pt"
+    torch.save(tensors, path)
+    return torch.load(path, mmap=True, weights_only=True)
 
 
 def convert_layer(weights: dict, src: str, dst: str) -> dict:
@@ -88,18 +123,20 @@ def export_layer(state_dict: dict, src: str, dst: str, args: ModelArgs) -> dict:
     return out
 
 
-def convert_target(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
+def convert_target(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: Path, log=print) -> dict:
     args = ModelArgs.from_hf_config(config)
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    for k in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
+        del weights[k]
     try:
-        out = {"tok_embeddings.weight": weights.pop("model.embed_tokens.weight"),
-               "norm.weight": weights.pop("model.norm.weight")}
+        out = spill({"tok_embeddings.weight": weights.pop("model.embed_tokens.weight"),
+                     "norm.weight": weights.pop("model.norm.weight")}, tmp_dir, "embeddings")
         for i in range(args.n_layer):
-            out.update(convert_layer(weights, f"model.layers.{i}.", f"layers.{i}."))
+            log(f"converting layer {i + 1}/{args.n_layer}")
+            out.update(spill(convert_layer(weights, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
     if "lm_head.weight" in weights:
-        out["output.weight"] = weights.pop("lm_head.weight")
+        out.update(spill({"output.weight": weights.pop("lm_head.weight")}, tmp_dir, "lm_head"))
     elif not args.tie_word_embeddings:
         raise EagletError(f"{checkpoint_dir}: lm_head.weight is missing and tie_word_embeddings is false")
     if weights:
@@ -114,7 +151,10 @@ def convert_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
     embed = weights.pop("embed_tokens.weight", None)
     if embed is not None and tuple(embed.shape) != (config.get("vocab_size"), args.dim):
         raise EagletError(f"{checkpoint_dir}: embed_tokens {tuple(embed.shape)} does not match config.json")
-    out = {"fc.weight": weights.pop("fc.weight")}
+    try:
+        out = {"fc.weight": weights.pop("fc.weight")}
+    except KeyError:
+        raise EagletError(f"{checkpoint_dir}: weight fc.weight is missing")
     if "fc.bias" in weights:
         out["fc.bias"] = weights.pop("fc.bias")
     try:
@@ -166,34 +206,45 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
     return out
 
 
-def convert(checkpoint_dir) -> Path:
+def convert(checkpoint_dir, log=print) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
-    config_path = checkpoint_dir / "config.json"
-    if not config_path.is_file():
-        raise EagletError(f"no config.json in {checkpoint_dir}")
-    config = json.loads(config_path.read_text())
-    ModelArgs.from_hf_config({"model_type": "llama", **config})  # refuse what we cannot run before reading weights
-    weights = load_hf_weights(checkpoint_dir)
-    if any(k.startswith("model.") for k in weights):
-        out_path, state_dict = checkpoint_dir / "model.pth", convert_target(checkpoint_dir, config, weights)
-    else:  # a draft head: its keys have no "model." prefix
-        eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"
-        convert_fn = convert_eagle3_head if eagle3 else convert_head
-        out_path, state_dict = checkpoint_dir / "draft.pth", convert_fn(checkpoint_dir, config, weights)
-    torch.save(state_dict, out_path)
+    config = read_config(checkpoint_dir)
+    try:  # refuse what we cannot run before reading weights
+        ModelArgs.from_hf_config({"model_type": "llama", **config})
+    except EagletError as e:
+        raise EagletError(f"{checkpoint_dir / 'config.json'}: {e}")
+    weights = load_hf_weights(checkpoint_dir, log)
+    try:
+        with tempfile.TemporaryDirectory(dir=checkpoint_dir, prefix=".eaglet-convert-") as tmp_dir:
+            if any(k.startswith("model.") for k in weights):
+                out_path = checkpoint_dir / "model.pth"
+                state_dict = convert_target(checkpoint_dir, config, weights, Path(tmp_dir), log)
+            else:  # a draft head: its keys have no "model." prefix
+                eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"
+                convert_fn = convert_eagle3_head if eagle3 else convert_head
+                out_path, state_dict = checkpoint_dir / "draft.pth", convert_fn(checkpoint_dir, config, weights)
+            log(f"writing {out_path}")
+            torch.save(state_dict, out_path)
+    except SafetensorError as e:  # a shard that is truncated or corrupt shows when its tensors are read
+        raise EagletError(f"cannot read the weights in {checkpoint_dir}: {e}")
+    except OSError as e:
+        raise EagletError(f"cannot write in {checkpoint_dir}: {e.strerror or e}")
     return out_path
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint_dir", required=True, help="Hugging Face checkpoint folder")
+    parser = cli_parser(__doc__)
+    parser.add_argument("--checkpoint_dir", required=True, type=Path,
+                        help="Hugging Face checkpoint folder (config.json and the weights)")
     args = parser.parse_args(argv)
     try:
         out_path = convert(args.checkpoint_dir)
     except EagletError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
     print(f"wrote {out_path}")
 
 

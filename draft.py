@@ -11,7 +11,6 @@ vocabulary, mapped to target ids by d2t. During tree expansion a node's input x 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
-                   TransformerBlock, attention_mask, load_state_dict)
+                   TransformerBlock, attention_mask, load_state_dict, mismatch_detail, read_config)
 
 
 class DraftHead(nn.Module):
@@ -77,7 +76,10 @@ class EagleDraft(DraftHead):
         return self(target.tok_embeddings(tokens)[None], inputs[None], input_pos, slots, mask)[0]
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return target.output(h) if self.vocab_lm_head is None else F.linear(h, self.vocab_lm_head)
+        return F.linear(h, self.lm_head_weight(target))
+
+    def lm_head_weight(self, target: Transformer) -> Tensor:
+        return target.output.weight if self.vocab_lm_head is None else self.vocab_lm_head
 
     def restrict_vocab(self, target: Transformer, token_ids: Tensor):
         """Score only these target tokens (FR-Spec): the lm_head read per draft pass shrinks with them."""
@@ -123,6 +125,9 @@ class Eagle3Draft(DraftHead):
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
         return self.lm_head(self.norm(h))
 
+    def lm_head_weight(self, target: Transformer) -> Tensor:
+        return self.lm_head.weight
+
 
 def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
     """An EAGLE-1/2 or EAGLE-3 head converted by convert_hf_checkpoint.py, checked against its target."""
@@ -130,13 +135,7 @@ def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.floa
     if not checkpoint_path.is_file():
         raise EagletError(f"draft checkpoint not found: {checkpoint_path} "
                           "(run convert_hf_checkpoint.py --checkpoint_dir on the head's folder first)")
-    config_path = checkpoint_path.parent / "config.json"
-    if not config_path.is_file():
-        raise EagletError(f"no config.json beside {checkpoint_path} (the head's folder must keep it)")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise EagletError(f"{config_path} is not valid JSON: {e}")
+    config = read_config(checkpoint_path.parent)  # the head's shape is in it
     state_dict = load_state_dict(checkpoint_path)
     args = head_args(config)
     if head_kind(config, state_dict, str(checkpoint_path)) == "eagle3":
@@ -155,8 +154,7 @@ def assign_weights(model: nn.Module, state_dict: dict, where: str):
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
-        details = "; ".join(line.strip() for line in str(e).splitlines()[1:4])
-        raise EagletError(f"{where} does not match its config.json: {details}")
+        raise EagletError(f"{where} does not match its config.json: {mismatch_detail(e)}")
 
 
 def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, target: ModelArgs,

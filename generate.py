@@ -5,6 +5,8 @@
 """
 import argparse
 import json
+import math
+import re
 import resource
 import sys
 import time
@@ -32,6 +34,8 @@ class SamplingConfig:
     top_k: int = 0  # 0 means no top-k filter
 
     def __post_init__(self):
+        if not all(map(math.isfinite, (self.temperature, self.top_p))):
+            raise EagletError(f"temperature and top_p must be finite numbers, got {self.temperature} and {self.top_p}")
         if self.temperature < 0:
             raise EagletError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -59,7 +63,11 @@ class GenerationResult:
 
 def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     """The target distribution under temperature, top-k and top-p; the one place sampling is defined."""
-    logits = logits.float() / sampling.temperature
+    logits = logits.float()
+    # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
+    # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.
+    temperature = max(sampling.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -248,6 +256,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     """
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
+    if max_new_tokens == 0:
+        return GenerationResult(list(prompt_tokens), [], 0.0)
     device = model.output.weight.device
     device_sync(device)
     t0 = time.perf_counter()
@@ -272,7 +282,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     if draft is not None:
         step_fn = step_fn or speculative_cycle
         # The draft reads the prompt's pairs (f_t, x_{t+1}), the last one pairing with the root.
-        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], device=device), token.view(1)])
+        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], dtype=torch.long, device=device), token.view(1)])
         h_last = catch_up(model, draft, pairs, features[0], torch.tensor(first, device=device),
                           torch.tensor(len(pairs) - 1, device=device))
     while not done:
@@ -285,8 +295,10 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                 t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
             out = torch.cat([n_accepted.view(1), emitted]).tolist()  # the one host sync of the cycle
             new = out[1:out[0] + 2]
-            accept_lengths.append(len(new))
+        n_before = len(tokens)
         done = emit(new)
+        if draft is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens do not count
+            accept_lengths.append(len(tokens) - n_before)
     device_sync(device)
     return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
 
@@ -295,6 +307,8 @@ def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: in
     need = n_prompt + max_new_tokens + extra
     if n_prompt == 0:
         raise EagletError("the prompt is empty")
+    if max_new_tokens < 0:
+        raise EagletError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if need > model.max_seq_length:
         raise EagletError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens})"
                           f"{f' + tree scratch ({extra})' if extra else ''} = {need} exceeds the cache "
@@ -302,9 +316,22 @@ def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: in
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights read per forward (shared tensors, e.g. tied embeddings, counted once)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(seen.values())
+    """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
+    embeddings, once), but only one row of an embedding table that is not also an lm_head."""
+    sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear:
+            sizes[m.weight.data_ptr()] = m.weight[0].numel() * m.weight.element_size()
+    return sum(sizes.values())
+
+
+def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
+    """Weights one speculative cycle reads: the target once (verify), and per draft pass (depth + 1 of
+    them) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
+    lm_head = draft.lm_head_weight(target)
+    own = any(lm_head is p for p in draft.parameters())
+    return weight_bytes(target) + (tree.depth + 1) * (weight_bytes(draft) + (0 if own else lm_head.numel() * lm_head.element_size()))
 
 
 def peak_memory_gb(device) -> float:
@@ -354,90 +381,211 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
 
 class TextStreamer:
     """Prints text as tokens arrive. Decodes the whole reply after the prompt's last token, so that word
-    boundaries (sentencepiece's leading spaces) and multi-token characters come out right."""
+    boundaries (sentencepiece's leading spaces) and multi-token characters come out right. `text` is the
+    whole continuation: the prompt's text followed by it is what was printed."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True):
         self.tokenizer, self.enabled = tokenizer, enabled
         self.tokens = [t for t in prompt_tokens[-1:] if t not in tokenizer.eos_ids]
         self.skip = len(tokenizer.decode(self.tokens))
-        self.printed = 0
+        self.text, self.printed = "", 0
 
     def __call__(self, new_tokens: list):
         self.tokens.extend(t for t in new_tokens if t not in self.tokenizer.eos_ids)
-        text = self.tokenizer.decode(self.tokens)[self.skip:]
-        if self.enabled and not text.endswith("\ufffd"):
-            print(text[self.printed:], end="", flush=True)
-            self.printed = len(text)
+        self.text = self.tokenizer.decode(self.tokens)[self.skip:]
+        if not self.text.endswith("\ufffd"):  # wait for the rest of a multi-token character
+            self.flush()
+
+    def flush(self):
+        if self.enabled:
+            print(self.text[self.printed:], end="", flush=True)
+        self.printed = len(self.text)
 
 
-def report(result: GenerationResult, model: Transformer, device: str):
-    tps = result.tokens_per_s
-    print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {tps:.2f} tokens/s, "
-          f"bandwidth {weight_bytes(model) * tps / 1e9:.2f} GB/s, peak memory {peak_memory_gb(device):.2f} GB")
-    if result.accept_lengths:
+def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,
+           tree: Optional[TreeConfig] = None):
+    """Tokens/s, the weights read per second as they are read (plain: the target per token; speculative:
+    the target per cycle and the draft per draft pass; the prefill once), peak memory, and tau."""
+    cycles = len(result.accept_lengths)
+    if draft is None:
+        n_bytes = len(result.tokens) * weight_bytes(model)
+    else:
+        n_bytes = weight_bytes(model) + cycles * cycle_weight_bytes(model, draft, tree)
+    print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s, "
+          f"weights read {n_bytes / max(result.seconds, 1e-9) / 1e9:.2f} GB/s, "
+          f"peak memory {peak_memory_gb(device):.2f} GB")
+    if cycles:
         counts = Counter(result.accept_lengths)
         histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
-        print(f"tau {result.tau:.2f} tokens per cycle over {len(result.accept_lengths)} cycles "
+        print(f"tau {result.tau:.2f} tokens emitted per cycle over {cycles} cycles "
               f"(tokens per cycle: count -- {histogram})")
 
 
-def warm_up(gen: Callable, prompt: list):
-    """Run the compiled step a few times so that compilation and graph capture are not timed later."""
+def warm_up(gen: Callable, prompt: list, max_new_tokens: int):
+    """Run the compiled step a few times so that compilation and graph capture are not timed later
+    (no more tokens than the run itself asks for: the cache is sized for that)."""
     t0 = time.perf_counter()
-    gen(prompt, 12)
+    gen(prompt, min(12, max_new_tokens))
     print(f"compilation and warm-up: {time.perf_counter() - t0:.1f} s")
 
 
-def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, model: Transformer):
-    result = None
+def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Callable):
+    result = streamer = None
     if args.compile:
-        warm_up(gen, prompt)
+        warm_up(gen, prompt, args.max_new_tokens)
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(args.prompt, end="", flush=True)
-        result = gen(prompt, args.max_new_tokens, on_tokens=TextStreamer(tokenizer, prompt))
-        report(result, model, args.device)
+        streamer = TextStreamer(tokenizer, prompt)
+        result = gen(prompt, args.max_new_tokens, on_tokens=streamer)
+        streamer.flush()
+        show(result)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({
-            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": tokenizer.decode(result.tokens),
+        write_output(args.json_out, json.dumps({
+            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": streamer.text,
             "tokens_per_s": result.tokens_per_s, "accept_lengths": result.accept_lengths,
             "cycles": len(result.accept_lengths)}))
 
 
-def run_interactive(args, gen: Callable, tokenizer: Tokenizer, model: Transformer):
-    """Multi-turn chat; the conversation's KV stays in the cache and only new tokens are prefilled."""
-    messages, cached = [], []
-    if args.compile:
-        warm_up(gen, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
-    torch.manual_seed(args.seed)
+def read_turn() -> Optional[str]:
+    """The user's next message; None when they quit (end of input, Ctrl-D or Ctrl-C)."""
     while True:
         try:
             user = input("\nUser: ")
-        except EOFError:
-            return
-        if not user.strip():
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return None
+        except UnicodeDecodeError:
+            print("error: that line is not valid UTF-8; type it again")
             continue
+        if user.strip():
+            return user
+
+
+def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_room: Callable, show: Callable):
+    """Multi-turn chat; the conversation's KV stays in the cache and only new tokens are prefilled.
+    cache_room(prompt) is how many tokens the cache still has for a reply to prompt."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages, cached = [], []
+    if args.compile:
+        warm_up(gen, tokenizer.encode_chat(system + [{"role": "user", "content": "Hi"}]), args.max_new_tokens)
+    torch.manual_seed(args.seed)
+    print("Chat with the model; Ctrl-D (or Ctrl-C) quits.")
+    while (user := read_turn()) is not None:
         messages.append({"role": "user", "content": user})
-        prompt = tokenizer.encode_chat(messages)
+        prompt = tokenizer.encode_chat(system + messages)
+        if cache_room(prompt) < 1 and len(messages) > 1:
+            print("(the conversation no longer fits in the cache: starting a new one with this message)")
+            messages, cached = messages[-1:], []
+            prompt = tokenizer.encode_chat(system + messages)
+        room = cache_room(prompt)
+        if room < 1:
+            print(f"error: this message makes a prompt of {len(prompt)} tokens, which leaves no room for a reply "
+                  f"in the cache; it was not sent (a larger --max_seq_length makes room)")
+            messages.pop()
+            continue
         start = 0
         while start < min(len(cached), len(prompt) - 1) and cached[start] == prompt[start]:
             start += 1
         print("Assistant: ", end="", flush=True)
-        try:
-            result = gen(prompt, args.max_new_tokens, start_pos=start, on_tokens=TextStreamer(tokenizer, prompt))
-        except EagletError as e:
-            print(f"\nerror: {e}; starting a new conversation")
-            messages, cached = [], []
-            continue
-        report(result, model, args.device)
+        streamer = TextStreamer(tokenizer, prompt)
+        result = gen(prompt, min(args.max_new_tokens, room), start_pos=start, on_tokens=streamer)
+        streamer.flush()
+        if room < args.max_new_tokens and len(result.tokens) == room:
+            print(f"\n(reply cut at {room} tokens: the cache is full)", end="")
+        show(result)
         cached = prompt + result.tokens[:-1]  # the last token was sampled but never fed back
         messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens)})
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every flag's default after its help line."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None or action.default is False:
+            return action.help
+        return f"{action.help or ''} (default: {action.default})"
+
+
+def cli_parser(doc: str) -> argparse.ArgumentParser:
+    """The tools' argument parser: --help shows every default; a usage mistake ends with one line,
+    'error: ...', and exit status 1, like every other mistake."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}")
+    return p
+
+
+def int_flag(low: int = 0, high: int = 2 ** 63 - 1) -> Callable:
+    """An argparse type: an integer in ASCII digits between low and high."""
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip()):
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {int(text)}")
+        return int(text)
+    return parse
+
+
+def float_flag(low: float = 0.0, high: float = math.inf) -> Callable:
+    """An argparse type: a finite number (ASCII) between low and high."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text) if text.isascii() else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+    return parse
+
+
+def check_writable(path: Path, what: str):
+    """Refuse, before any long work, an output file that cannot be written (missing folder, a directory,
+    a read-only place). Creates nothing that was not there."""
+    path = Path(path)
+    if path.is_dir():
+        raise EagletError(f"{what} {path} is a directory")
+    if not path.parent.is_dir():
+        raise EagletError(f"{what} {path}: the folder {path.parent} does not exist")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise EagletError(f"{what} {path} cannot be written: {e.strerror}")
+    if not existed:
+        path.unlink()
+
+
+def write_output(path: Path, text: str):
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise EagletError(f"cannot write {path}: {e.strerror}")
+
+
+def utf8_text(text: str) -> str:
+    """argv holds undecodable bytes as surrogates; refuse them here rather than deep in a tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not valid UTF-8 text")
+    return text
+
+
+def total_tokens_flag(text: str):
+    return text if text == "auto" else int_flag(2)(text)
+
+
+DEMO_PROMPT = "def read_lines(path):\n"  # where the small demo model writes plausible code for a while
+DEMO_MAX_NEW_TOKENS = 60
+
+
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
@@ -445,37 +593,116 @@ def parse_args(argv=None):
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
-    p.add_argument("--no_draft", action="store_true", help="plain decoding of the demo (no head)")
-    p.add_argument("--depth", type=int, default=None, help="draft tree expansion steps (default: 6, 7 for EAGLE-3)")
-    p.add_argument("--tree_topk", type=int, default=10, help="children per node and nodes kept per level")
-    p.add_argument("--total_tokens", default="60",
+    p.add_argument("--no_draft", action="store_true",
+                   help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
+    p.add_argument("--depth", type=int_flag(1), default=None,
+                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads)")
+    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
+    p.add_argument("--total_tokens", type=total_tokens_flag, default=60,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num_samples", type=int, default=1, help="generate this many times (timing)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--prompt", type=utf8_text, default=None,
+                   help=f"the prompt (default: {DEMO_PROMPT!r})")
+    p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
+                   help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
+    p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
+    p.add_argument("--top_p", type=float_flag(0, 1), default=1.0, help="nucleus sampling: keep this much mass")
+    p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
+    p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--chat_template", default="auto", help="auto (the checkpoint's own), llama2 or vicuna")
+    p.add_argument("--chat_template", default="auto",
+                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2 or vicuna")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
-    p.add_argument("--max_seq_length", type=int, default=None,
+    p.add_argument("--max_seq_length", type=int_flag(1), default=None,
                    help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
-    p.add_argument("--json_out", type=Path, default=None)
+    p.add_argument("--json_out", type=Path, default=None,
+                   help="write prompt_tokens, tokens, text, tokens_per_s, accept_lengths, cycles as JSON")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        p.error("--max_new_tokens and --num_samples must be at least 1")
-    if args.checkpoint_path is None:  # the demo: a small code model and its head, shipped in demo/
+    args.demo = args.checkpoint_path is None
+    if args.demo:  # a small code model and its head, shipped in demo/
         if not (DEMO_DIR / "target" / "model.pth").is_file():
             p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
+        if args.chat or args.interactive:
+            p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
+                    "chat model (--checkpoint_path)")
         args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
-        if args.draft_checkpoint_path is None and not args.no_draft:
-            args.draft_checkpoint_path = DEMO_DIR / "head" / "draft.pth"
+        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
+    if args.system is not None and not (args.chat or args.interactive):
+        p.error("--system needs --chat or --interactive")
+    if args.no_draft:
+        args.draft_checkpoint_path = None
+    args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
     return args
+
+
+def configs(args, draft: Optional[DraftHead] = None):
+    """SamplingConfig and TreeConfig from the flags (the depth by default the head's); with --total_tokens
+    auto, the tree sized for its largest candidate (the cache is sized for it; the size itself is picked
+    once the model is loaded)."""
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+    depth = args.depth or (draft.default_depth if draft is not None else TreeConfig.depth)
+    tree = TreeConfig(depth, args.tree_topk, 2)  # checks depth and tree_topk
+    auto = args.total_tokens == "auto"
+    size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else args.total_tokens
+    return sampling, replace(tree, total_tokens=size)  # checks the size
+
+
+def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int) -> int:
+    """--max_seq_length, or what this run needs; a total over the model's limit names its parts."""
+    limit = model.args.max_position_embeddings
+    if args.max_seq_length or prompt is None:
+        return args.max_seq_length or min(4096, limit)
+    need = len(prompt) + args.max_new_tokens + scratch
+    if need > limit:
+        raise EagletError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens})"
+                          f"{f' + tree scratch ({scratch})' if scratch else ''} = {need} exceeds the model's "
+                          f"max_position_embeddings ({limit})")
+    return need
+
+
+def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
+    """A model's embedding table may be padded a little past its tokenizer (Qwen2: by 0.3%), never by 10%."""
+    n_tok, n_model = tokenizer.vocab_size, model.args.vocab_size
+    if n_tok > n_model or n_tok < 0.9 * n_model:
+        raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
+
+
+def load(args):
+    """Model, tokenizer, draft, the tree and the prompt (None for --interactive) as the flags ask."""
+    sampling, tree = configs(args)  # checks the flags before anything is loaded
+    if args.json_out:
+        check_writable(args.json_out, "--json_out")
+    model = load_target(args.checkpoint_path, args.device, args.precision)
+    draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
+        if args.draft_checkpoint_path else None
+    if draft is not None:
+        sampling, tree = configs(args, draft)
+    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
+    check_tokenizer(tokenizer, model)
+    if args.chat or args.interactive:
+        print(f"chat template: {tokenizer.chat_template_source}")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    if args.interactive:
+        prompt = None
+    elif args.chat:
+        prompt = tokenizer.encode_chat(system + [{"role": "user", "content": args.prompt}])
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    scratch = tree.scratch if draft is not None else 0
+    with torch.device(args.device):
+        model.setup_caches(max_batch_size=1, max_seq_length=cache_length(args, model, prompt, scratch))
+    if draft is not None:
+        draft.setup_caches(model.max_seq_length)
+    if draft is not None and args.total_tokens == "auto":
+        tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
+    if draft is not None and tree.topk > draft.vocab_size:
+        raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+    return model, tokenizer, draft, sampling, tree, prompt
 
 
 def main(argv=None):
@@ -483,50 +710,22 @@ def main(argv=None):
     try:
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-        sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-        auto = args.total_tokens == "auto"
-        if not auto and not args.total_tokens.isdigit():
-            raise EagletError(f"--total_tokens must be a number or auto, got {args.total_tokens!r}")
-        default_depth = 6 if args.depth is None else args.depth
-        TreeConfig(default_depth, args.tree_topk, 2)  # checks depth and tree_topk before loading anything
-        model = load_target(args.checkpoint_path, args.device, args.precision)
-        draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
-            if args.draft_checkpoint_path else None
-        if draft is not None and args.depth is None:
-            default_depth = draft.default_depth
-        tree = TreeConfig(default_depth, args.tree_topk, 2)
-        size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else int(args.total_tokens)
-        tree = replace(tree, total_tokens=size)  # checks the size; auto sizes the cache for its largest
-        tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
-        scratch = tree.scratch if draft is not None else 0
-        if args.interactive:
-            prompt = None
-            max_seq_length = args.max_seq_length or min(4096, model.args.max_position_embeddings)
-        else:
-            prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
-                else tokenizer.encode(args.prompt)
-            max_seq_length = args.max_seq_length or len(prompt) + args.max_new_tokens + scratch
-        with torch.device(args.device):
-            model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
-        if tokenizer.vocab_size > model.args.vocab_size:
-            raise EagletError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                              f"{model.args.vocab_size}: they do not belong together")
-        if draft is not None:
-            draft.setup_caches(max_seq_length)
-        if draft is not None and auto:
-            tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
-        if draft is not None and tree.topk > draft.vocab_size:
-            raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+        model, tokenizer, draft, sampling, tree, prompt = load(args)
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
                       step_fn=step_fn)
+        show = partial(report, model=model, device=args.device, draft=draft, tree=tree)
         if args.interactive:
-            run_interactive(args, gen, tokenizer, model)
+            scratch = tree.scratch if draft is not None else 0
+            run_interactive(args, gen, tokenizer, lambda p: model.max_seq_length - scratch - len(p), show)
         else:
-            run_once(args, gen, tokenizer, prompt, model)
+            run_once(args, gen, tokenizer, prompt, show)
     except EagletError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print()
+        sys.exit(130)
 
 
 if __name__ == "__main__":

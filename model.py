@@ -8,6 +8,8 @@ listed in `feature_layers`, concatenated (EAGLE-3).
 """
 import json
 import math
+import pickle
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -58,6 +60,7 @@ class ModelArgs:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise EagletError(f"unsupported architecture {model_type or config.get('architectures')!r}; "
                               f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        check_config_values(config)
         if config.get("mlp_bias"):
             raise EagletError("mlp_bias=true is not supported")
         # transformers >= 5 writes rope_parameters; published checkpoints use rope_theta + rope_scaling.
@@ -86,10 +89,48 @@ class ModelArgs:
 
     @classmethod
     def from_checkpoint_dir(cls, checkpoint_dir) -> "ModelArgs":
-        path = Path(checkpoint_dir) / "config.json"
-        if not path.is_file():
-            raise EagletError(f"no config.json in {checkpoint_dir}")
-        return cls.from_hf_config(json.loads(path.read_text()))
+        config = read_config(checkpoint_dir)
+        try:
+            return cls.from_hf_config(config)
+        except EagletError as e:
+            raise EagletError(f"{Path(checkpoint_dir) / 'config.json'}: {e}")
+
+
+def read_config(checkpoint_dir) -> dict:
+    """A folder's config.json as a dict, or one clear error (missing, not JSON, not an object)."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise EagletError(f"no config.json in {checkpoint_dir}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EagletError(f"{path} is not valid JSON: {e}")
+    if not isinstance(config, dict):
+        raise EagletError(f"{path} is not a JSON object")
+    return config
+
+
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+
+
+def check_config_values(config: dict):
+    """Missing or mistyped config fields as one clear error, before they become a shape error deep inside."""
+    missing = [k for k in REQUIRED_SIZES if k not in config]
+    if missing:
+        raise EagletError(f"config is missing {', '.join(missing)}")
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        value = config.get(key)
+        if (key in REQUIRED_SIZES or value is not None) and (type(value) is not int or value < 1):
+            raise EagletError(f"config {key} must be a positive integer, got {value!r}")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = config.get(key, 1.0)
+        if type(value) not in (int, float) or not 0 < value < math.inf:
+            raise EagletError(f"config {key} must be a positive number, got {value!r}")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads or (not config.get("head_dim") and config["hidden_size"] % heads):
+        raise EagletError(f"config: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
+                          f"and hidden_size {config['hidden_size']} of num_attention_heads (unless head_dim is set)")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
@@ -296,20 +337,31 @@ class Transformer(nn.Module):
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
-            raise EagletError(f"{checkpoint_path} does not match its config.json: {str(e).splitlines()[0]}")
+            raise EagletError(f"{checkpoint_path} does not match its config.json: {mismatch_detail(e)}")
         if args.tie_word_embeddings:
             model.output.weight = model.tok_embeddings.weight
         return model.to(device=device, dtype=dtype).eval()
 
 
 def load_state_dict(path) -> dict:
+    """Tensors saved with torch.save: memory-mapped from the zip format, read whole from the legacy format
+    (old checkpoints). weights_only: a pickle's code is never run."""
     try:
-        state_dict = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        state_dict = torch.load(str(path), map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
+    except pickle.UnpicklingError:
+        raise EagletError(f"cannot read {path}: not a checkpoint of plain tensors (corrupt, or it pickles other "
+                          "objects, which are never unpickled here)")
     except Exception as e:
-        raise EagletError(f"cannot read {path}: {str(e).splitlines()[0]}")
-    if not isinstance(state_dict, dict):
-        raise EagletError(f"{path} is not a state dict")
+        raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
+    if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+        raise EagletError(f"{path} is not a state dict (a mapping of names to tensors)")
     return state_dict
+
+
+def mismatch_detail(e: RuntimeError, limit: int = 600) -> str:
+    """load_state_dict's multi-line error on one line, keeping which tensors and which shapes."""
+    detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip()) or str(e)
+    return detail if len(detail) <= limit else detail[:limit] + " ..."
 
 
 def attention_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tensor:

@@ -1,7 +1,8 @@
 """Tokenizers (sentencepiece tokenizer.model, or Hugging Face tokenizer.json) and chat formatting.
 
-The checkpoint's own chat_template (tokenizer_config.json) is rendered with jinja2; LLaMA-2-chat and
-Vicuna templates are built in for checkpoints that have none.
+The checkpoint's own chat template (chat_template.jinja, as recent transformers save it, or the
+chat_template of tokenizer_config.json / chat_template.json) is rendered with jinja2; LLaMA-2-chat and
+Vicuna templates are built in for checkpoints that have none, and `chat_template_source` says which is used.
 """
 import json
 import re
@@ -31,9 +32,20 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EagletError(f"{path} is not valid JSON: {e}")
+    if not isinstance(config, dict):
+        raise EagletError(f"{path} is not a JSON object")
+    return config
+
+
+def read_tokenizer(load, path: Path):
+    try:
+        return load(str(path))
+    except Exception as e:  # sentencepiece and tokenizers raise plain RuntimeError / Exception
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EagletError(f"cannot read the tokenizer {path}: {first_line}")
 
 
 def token_content(token) -> str:
@@ -50,22 +62,21 @@ class Tokenizer:
         json_file = path if path.is_file() and path.suffix == ".json" else checkpoint_dir / "tokenizer.json"
         sp_file = path if path.is_file() and path.suffix == ".model" else checkpoint_dir / "tokenizer.model"
         tok_config = read_json(checkpoint_dir / "tokenizer_config.json")
+        self.hf = self.sp = None
         if json_file.is_file():
             from tokenizers import Tokenizer as HFTokenizer
-            self.hf = HFTokenizer.from_file(str(json_file))
-            self.sp = None
+            self.hf = read_tokenizer(HFTokenizer.from_file, json_file)
             self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         elif sp_file.is_file():
             import sentencepiece
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_file))
-            self.hf = None
+            self.sp = read_tokenizer(lambda f: sentencepiece.SentencePieceProcessor(model_file=f), sp_file)
             self.vocab_size = self.sp.get_piece_size()
         else:
             raise EagletError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}")
         self.bos_token = token_content(tok_config.get("bos_token")) or (self.sp and self.sp.id_to_piece(self.sp.bos_id()))
         self.eos_token = token_content(tok_config.get("eos_token")) or (self.sp and self.sp.id_to_piece(self.sp.eos_id()))
         self.eos_ids = self._eos_ids(checkpoint_dir)
-        self.chat_template = self._pick_template(checkpoint_dir, tok_config, chat_template)
+        self.chat_template, self.chat_template_source = self._pick_template(checkpoint_dir, tok_config, chat_template)
 
     def _eos_ids(self, checkpoint_dir: Path) -> set:
         ids = set()
@@ -76,17 +87,25 @@ class Tokenizer:
             ids.add(self.token_id(self.eos_token))
         return ids
 
-    def _pick_template(self, checkpoint_dir: Path, tok_config: dict, choice: str) -> str:
+    def _pick_template(self, checkpoint_dir: Path, tok_config: dict, choice: str) -> tuple:
+        """(template, where it came from)."""
         if choice in BUILTIN_TEMPLATES:
-            return BUILTIN_TEMPLATES[choice]
+            return BUILTIN_TEMPLATES[choice], f"built-in {choice} (--chat_template {choice})"
         if choice != "auto":
             raise EagletError(f"unknown chat template {choice!r} (auto, {', '.join(BUILTIN_TEMPLATES)})")
-        template = tok_config.get("chat_template") or read_json(checkpoint_dir / "chat_template.json").get("chat_template")
-        if isinstance(template, list):  # a list of named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        if template:
-            return template
-        return VICUNA_CHAT_TEMPLATE if "vicuna" in str(checkpoint_dir).lower() else LLAMA2_CHAT_TEMPLATE
+        jinja_file = checkpoint_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text(encoding="utf-8", errors="replace"), str(jinja_file)
+        for name, config in [("tokenizer_config.json", tok_config),
+                             ("chat_template.json", read_json(checkpoint_dir / "chat_template.json"))]:
+            template = config.get("chat_template")
+            if isinstance(template, list):  # a list of named templates: take the default one
+                template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            if template:
+                return template, str(checkpoint_dir / name)
+        name = "vicuna" if "vicuna" in str(checkpoint_dir).lower() else "llama2"
+        return BUILTIN_TEMPLATES[name], (f"built-in {name}, as the checkpoint has no chat template of its own "
+                                         "(--chat_template llama2 or vicuna picks one)")
 
     def token_id(self, piece: str):
         if self.hf is not None:
@@ -100,6 +119,10 @@ class Tokenizer:
         return ([self.sp.bos_id()] if bos else []) + self.sp.encode(text)
 
     def decode(self, ids) -> str:
+        unknown = [i for i in ids if not 0 <= i < self.vocab_size]
+        if unknown:
+            raise EagletError(f"token id {unknown[0]} is beyond the tokenizer's {self.vocab_size} tokens: "
+                              "the model and its tokenizer do not belong together")
         if self.hf is not None:
             return self.hf.decode(list(ids), skip_special_tokens=True)
         return self.sp.decode(list(ids))

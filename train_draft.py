@@ -10,7 +10,6 @@ plain text), so the head learns what the target itself says, which raises accept
 The head learns the target's next feature (SmoothL1) and its next-token distribution (0.1 x
 cross-entropy against the target's soft predictions), from features with small uniform noise added.
 """
-import argparse
 import json
 import math
 import random
@@ -25,8 +24,8 @@ from safetensors.torch import save_file
 
 from convert_hf_checkpoint import export_layer
 from draft import EagleDraft
-from generate import SamplingConfig, generate, load_target, pick_device
-from model import EagletError, ModelArgs, Transformer
+from generate import SamplingConfig, cli_parser, float_flag, generate, int_flag, load_target, pick_device
+from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config
 from tokenizer import Tokenizer
 
 
@@ -44,6 +43,14 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
 
+    def __post_init__(self):
+        at_least = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 1, "warmup": 0, "seed": 0,
+                    "weight_decay": 0, "noise": 0, "ce_weight": 0}
+        bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
+        bad += [f"{k} must be above 0" for k in ("lr", "grad_clip") if not 0 < getattr(self, k) < math.inf]
+        if bad or not all(math.isfinite(v) for v in asdict(self).values()):
+            raise EagletError(f"training settings out of range: {', '.join(bad) or 'values must be finite'}")
+
 
 def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
     """Tokens of a conversation and a mask that is 1 on the assistant's tokens only."""
@@ -58,33 +65,42 @@ def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
     return tokens, mask
 
 
-def load_examples(paths, tokenizer: Tokenizer, seq_len: int, reply_fn=None) -> list:
+def read_questions(path: Path) -> list:
+    """A FastChat question file: one JSON object per line, each with a list of "turns" (user messages)."""
+    questions = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            question = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EagletError(f"{path} line {n} is not JSON: {e}")
+        turns = question.get("turns") if isinstance(question, dict) else None
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+            raise EagletError(f"{path} line {n}: expected an object with \"turns\", a list of strings")
+        questions.append(question)
+    return questions
+
+
+def load_examples(paths, tokenizer: Tokenizer, seq_len: int, reply_fn=None, log=print) -> list:
     """(tokens, loss mask) pairs of at most seq_len tokens from text files and FastChat question files."""
     examples = []
     for path in map(Path, paths):
         if not path.is_file():
             raise EagletError(f"data file not found: {path}")
         if path.suffix == ".jsonl":
-            for line in path.read_text().splitlines():
-                question = json.loads(line)
-                turns = question["turns"]
-                replies = question.get("reference") if reply_fn is None else None
+            questions = read_questions(path)
+            for i, question in enumerate(questions):
                 if reply_fn is not None:
-                    replies, messages = [], []
-                    for user in turns:
-                        messages.append({"role": "user", "content": user})
-                        replies.append(reply_fn(tokenizer.encode_chat(messages)))
-                        messages.append({"role": "assistant", "content": replies[-1]})
-                if not replies:
-                    raise EagletError(f"{path}: question {question.get('question_id')} has no replies; "
-                                      "use --self_distill to let the target write them")
-                tokens, mask = chat_example(tokenizer, turns, replies)
-                examples.append((tokens[:seq_len], mask[:seq_len]))
+                    log(f"{path.name}: the target answers question {i + 1}/{len(questions)}")
+                examples.append(question_example(tokenizer, question, seq_len, reply_fn, path))
         else:
             tokens = tokenizer.encode(path.read_text(errors="replace"), bos=False)
-            for start in range(0, max(len(tokens) - 1, 1), seq_len):
+            starts = range(0, max(len(tokens) - 1, 1), seq_len)
+            for i, start in enumerate(starts):
                 chunk = tokens[start:start + seq_len]
                 if reply_fn is not None:  # keep the first half, let the target write the rest
+                    log(f"{path.name}: the target continues piece {i + 1}/{len(starts)}")
                     chunk = chunk[:len(chunk) // 2] + tokenizer.encode(reply_fn(chunk[:len(chunk) // 2]), bos=False)
                     chunk = chunk[:seq_len]
                 if len(chunk) > 1:
@@ -94,9 +110,28 @@ def load_examples(paths, tokenizer: Tokenizer, seq_len: int, reply_fn=None) -> l
     return examples
 
 
+def question_example(tokenizer: Tokenizer, question: dict, seq_len: int, reply_fn, path: Path) -> tuple:
+    """One conversation: the file's reference replies, or the target's own (reply_fn)."""
+    turns = question["turns"]
+    replies = question.get("reference") if reply_fn is None else None
+    if reply_fn is not None:
+        replies, messages = [], []
+        for user in turns:
+            messages.append({"role": "user", "content": user})
+            replies.append(reply_fn(tokenizer.encode_chat(messages)))
+            messages.append({"role": "assistant", "content": replies[-1]})
+    if not replies:
+        raise EagletError(f"{path}: question {question.get('question_id')} has no replies; "
+                          "use --self_distill to let the target write them")
+    tokens, mask = chat_example(tokenizer, turns, replies)
+    return tokens[:seq_len], mask[:seq_len]
+
+
 def batches(examples: list, batch_size: int, seq_len: int, pad_id: int, seed: int):
-    """Endless shuffled batches: tokens [B, seq_len] and loss mask [B, seq_len] (0 on padding)."""
+    """Endless shuffled batches: tokens [B, seq_len] and loss mask [B, seq_len] (0 on padding).
+    With fewer examples than batch_size, a batch holds each example once."""
     rng = random.Random(seed)
+    batch_size = min(batch_size, len(examples))
     while True:
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -157,16 +192,16 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
           log=print) -> EagleDraft:
     """Train (or resume) a head; returns it and writes out_dir/{config.json, model.safetensors}."""
     device = target.output.weight.device
+    check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     head = new_head(target.args, device, cfg.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state_path, start = out_dir / "train_state.pt", 0
     if resume and state_path.is_file():
-        state = torch.load(state_path, map_location=device, weights_only=True)
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
+        start = resume_from(state_path, head, optimizer, target)
         log(f"resuming at step {start}")
+    if len(examples) < cfg.batch_size:
+        log(f"{len(examples)} examples, fewer than batch_size {cfg.batch_size}: each batch holds all of them")
     target.setup_rope(cfg.seq_len)
     head.setup_rope(cfg.seq_len)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -189,9 +224,52 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
                 f"{time.perf_counter() - t0:.0f}s")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "config": asdict(cfg)}, state_path)
+                        "config": asdict(cfg), "target": target_shape(target)}, state_path)
     save_head(head, out_dir)
     return head
+
+
+def target_shape(target: Transformer) -> dict:
+    return {k: v for k, v in asdict(target.args).items() if k != "extra"}
+
+
+def resume_from(state_path: Path, head: EagleDraft, optimizer, target: Transformer) -> int:
+    """Load a train_state.pt written for this target; returns the step it reached."""
+    try:
+        state = torch.load(state_path, map_location=target.output.weight.device, weights_only=True)
+        step = int(state["step"])
+    except Exception as e:
+        raise EagletError(f"cannot resume from {state_path}: {(str(e).strip().splitlines() or [repr(e)])[0]} "
+                          "(--no_resume starts over)")
+    theirs, ours = state.get("target", target_shape(target)), target_shape(target)
+    differ = [f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
+    if differ:
+        raise EagletError(f"{state_path} was written while training a head for another target ({', '.join(differ)}); "
+                          "give another --out_dir, or --no_resume to start over")
+    try:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise EagletError(f"{state_path} does not fit this target's head: {mismatch_detail(e)}")
+    return step
+
+
+WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".gguf")
+
+
+def check_out_dir(out_dir: Path):
+    """Refuse an out_dir that holds a checkpoint other than a head being trained there (with its
+    train_state.pt): the head's config.json and model.safetensors would overwrite it."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
+    if not out_dir.is_dir():
+        return
+    found = sorted(f.name for f in out_dir.iterdir() if f.name == "config.json" or f.suffix in WEIGHT_SUFFIXES)
+    ours = (out_dir / "train_state.pt").is_file() and (
+        not (out_dir / "config.json").is_file() or read_config(out_dir).get("num_hidden_layers") == 1)
+    if found and not ours:
+        raise EagletError(f"--out_dir {out_dir} already holds a checkpoint ({', '.join(found[:4])}) that is not a "
+                          "head being trained there; writing the head would overwrite it: choose another folder")
 
 
 def save_head(head: EagleDraft, out_dir: Path):
@@ -208,24 +286,34 @@ def save_head(head: EagleDraft, out_dir: Path):
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
     p.add_argument("--data", nargs="+", required=True, help="text files and/or FastChat .jsonl question files")
     p.add_argument("--out_dir", type=Path, required=True, help="where the head (and train_state.pt) go")
     p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
-    p.add_argument("--max_new_tokens", type=int, default=256, help="reply length for --self_distill")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    helps = {"noise": "uniform noise on the input features, +-noise x their RMS", "ce_weight": "weight of the "
+             "cross-entropy against the target's predictions", "save_every": "steps between train_state.pt saves"}
     for name, value in asdict(TrainConfig()).items():
-        p.add_argument(f"--{name}", type=type(value), default=value)
-    args = p.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+        flag = int_flag(0) if isinstance(value, int) else float_flag(0)
+        p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
+        cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+        check_out_dir(args.out_dir)
+        if args.out_dir.resolve() == args.checkpoint_path.resolve().parent:
+            raise EagletError(f"--out_dir {args.out_dir} is the target's own folder: the head would overwrite it")
         device = pick_device(args.device)
         precision = "bf16" if device == "cuda" else "fp32"  # weights for the target; training runs in autocast
         target = load_target(args.checkpoint_path, device, precision if args.self_distill else "fp32")
+        check_lengths(target, cfg, args.max_new_tokens if args.self_distill else 0)
         tokenizer = Tokenizer(args.checkpoint_path.parent)
         reply_fn = None
         if args.self_distill:
@@ -239,8 +327,19 @@ def main(argv=None):
         train(target, examples, args.out_dir, cfg, resume=not args.no_resume)
     except EagletError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
     print(f"wrote {args.out_dir / 'model.safetensors'}; convert it with "
           f"python convert_hf_checkpoint.py --checkpoint_dir {args.out_dir}")
+
+
+def check_lengths(target: Transformer, cfg: TrainConfig, max_new_tokens: int):
+    """Sequences (and, self-distilling, the cache for seq_len + max_new_tokens) within the model's positions."""
+    need, limit = cfg.seq_len + (max_new_tokens + 8 if max_new_tokens else 0), target.args.max_position_embeddings
+    if need > limit:
+        parts = f"seq_len ({cfg.seq_len}) + max_new_tokens ({max_new_tokens}) + 8 = {need}" if max_new_tokens \
+            else f"seq_len ({cfg.seq_len})"
+        raise EagletError(f"{parts} exceeds the model's max_position_embeddings ({limit})")
 
 
 if __name__ == "__main__":

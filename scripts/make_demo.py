@@ -2,14 +2,15 @@
 code model and its EAGLE-1/2 head, all trained by eaglet's own code on the running interpreter's
 standard-library sources (a few modules kept out for evaluation).
 
-    python scripts/make_demo.py --out_dir demo        # writes demo/target and demo/head, and demo/RECIPE.json
+    python scripts/make_demo.py --out_dir my_demo     # writes my_demo/target, my_demo/head, my_demo/RECIPE.json
+    python scripts/make_demo.py --out_dir demo --overwrite   # rebuilds the shipped demo itself
 
 generate.py uses demo/ when no checkpoint is given.
 """
-import argparse
 import io
 import json
 import platform
+import shutil
 import sys
 import sysconfig
 import time
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from convert_hf_checkpoint import convert  # noqa: E402
-from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target  # noqa: E402
+from generate import SamplingConfig, TreeConfig, cli_parser, generate, int_flag, load_draft, load_target  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import TrainConfig, batches, causal, lr_at, train  # noqa: E402
@@ -138,14 +139,17 @@ def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_t
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parents[1] / "demo")
-    p.add_argument("--target_steps", type=int, default=700)
-    p.add_argument("--head_steps", type=int, default=500)
-    p.add_argument("--seq_len", type=int, default=256)
-    p.add_argument("--batch_size", type=int, default=16)
+    p = cli_parser(__doc__)
+    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/ and RECIPE.json go")
+    p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
+    p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
+    p.add_argument("--head_steps", type=int_flag(1), default=1000, help="head training steps (as shipped)")
+    p.add_argument("--seq_len", type=int_flag(2), default=256, help="training sequence length")
+    p.add_argument("--batch_size", type=int_flag(1), default=16, help="training batch size")
     args = p.parse_args()
     target_dir, head_dir = args.out_dir / "target", args.out_dir / "head"
+    if (target_dir / "model.pth").exists() and not args.overwrite:
+        p.error(f"{args.out_dir} already holds a demo; --overwrite replaces it")
     target_dir.mkdir(parents=True, exist_ok=True)
     recipe, t_start = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
                        "python": platform.python_version()}, time.perf_counter()
@@ -173,12 +177,14 @@ def main():
     head_cfg = TrainConfig(steps=args.head_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3,
                            warmup=50, save_every=10 ** 9)
     target = load_target(target_dir / "model.pth", "cpu", "fp32")  # the bf16-rounded weights the demo ships
+    shutil.rmtree(head_dir, ignore_errors=True)  # --overwrite: a fresh head
     train(target, examples, head_dir, head_cfg, resume=False)
     (head_dir / "train_state.pt").unlink(missing_ok=True)
     convert(head_dir)
     recipe["head"] = {"train": asdict(head_cfg), "seconds": round(time.perf_counter() - t0, 1)}
     print(f"head: {recipe['head']['seconds']} s")
 
+    print("measuring tau on the held-out modules", flush=True)
     recipe["held_out"] = {"modules": HELD_OUT, **measure_tau(target_dir, head_dir)}
     recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
     (args.out_dir / "RECIPE.json").write_text(json.dumps(recipe, indent=2))

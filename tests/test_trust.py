@@ -1,0 +1,244 @@
+"""The issue's worst cases (a hang, a clobbered checkpoint, silent garbage, crashes on edge inputs) and the
+reports (tau, bandwidth, the JSON text) telling the truth."""
+import json
+import math
+import shutil
+import threading
+
+import pytest
+import torch
+
+import generate
+import train_draft
+from conftest import (SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
+                      scripted_input, tiny_config, write_eagle_head)
+from convert_hf_checkpoint import convert
+from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from model import EagletError
+from tokenizer import Tokenizer
+
+QUIET = {"log": lambda *_: None}
+
+
+def bounded(fn, seconds=300):
+    """Run fn in a thread; fail (instead of hanging the suite) if it has not returned after `seconds`."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(value=fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    return result.get("value")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A target and a head that agrees with it most of the time (long accepted paths), loaded."""
+    target_dir, head_dir, _ = make_agreeing_pair(tmp_path_factory.mktemp("pair"), wrong_fraction=0.2)
+    convert(target_dir, **QUIET), convert(head_dir, **QUIET)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    return target_dir, head_dir, model, load_draft(head_dir / "draft.pth", model)
+
+
+def test_fewer_examples_than_batch_size_trains_instead_of_hanging(checkpoints, tmp_path, capsys):
+    target, _ = checkpoints("llama2")
+    data = tmp_path / "five.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": [f"w{i}"], "reference": [f"w{i + 1} w{i + 2}"]}) for i in range(5)))
+    argv = ["--checkpoint_path", str(target / "model.pth"), "--data", str(data), "--out_dir", str(tmp_path / "h"),
+            "--batch_size", "8", "--steps", "3", "--seq_len", "32", "--device", "cpu"]
+    bounded(lambda: train_draft.main(argv))
+    assert "each batch holds all of them" in capsys.readouterr().out
+    assert (tmp_path / "h" / "model.safetensors").is_file()
+    tokens, mask = bounded(lambda: next(train_draft.batches([([1, 2, 3], [1, 1, 1])], 8, 4, 0, seed=0)))
+    assert tokens.shape == (1, 4) and mask.sum() == 3
+
+
+def test_out_dir_with_a_target_is_refused_and_left_alone(checkpoints, tmp_path):
+    target, _ = checkpoints("llama2")
+    victim = tmp_path / "victim"
+    shutil.copytree(target, victim)
+    before = {f.name: f.read_bytes() for f in victim.iterdir()}
+    for out_dir in (victim, target):  # another model's folder, and the target's own
+        with pytest.raises(SystemExit, match="already holds a checkpoint"):
+            train_draft.main(["--checkpoint_path", str(target / "model.pth"), "--data", str(tmp_path / "x.txt"),
+                              "--out_dir", str(out_dir), "--device", "cpu"])
+    assert {f.name: f.read_bytes() for f in victim.iterdir()} == before
+
+
+def test_non_finite_and_underflowing_temperatures(pair):
+    *_, model, _ = pair
+    for bad in (math.nan, math.inf):
+        with pytest.raises(EagletError, match="finite"):
+            SamplingConfig(temperature=bad)
+        with pytest.raises(EagletError):
+            SamplingConfig(top_p=bad)
+    prompt = [1, 5, 9, 11]
+    greedy = generate.generate(model, prompt, 12, SamplingConfig()).tokens
+    assert len(set(greedy)) > 1
+    for tiny in (1e-38, 1e-45, 5e-324):  # at and below float32's smallest normal, and the smallest double
+        assert generate.generate(model, prompt, 12, SamplingConfig(temperature=tiny)).tokens == greedy
+
+
+def test_one_token_prompt_speculative(pair, tmp_path):
+    target_dir, head_dir, model, draft = pair
+    plain = generate.generate(model, [1], 20, SamplingConfig())
+    spec = generate.generate(model, [1], 20, SamplingConfig(), draft=draft)
+    assert spec.tokens == plain.tokens and spec.accept_lengths
+    out = tmp_path / "o.json"
+    generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
+                   str(head_dir / "draft.pth"), "--prompt", "", "--max_new_tokens", "8", "--device", "cpu",
+                   "--json_out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["prompt_tokens"] == [1] and len(result["tokens"]) == 8
+
+
+def test_compile_with_few_new_tokens(pair, tmp_path, monkeypatch):
+    """The warm-up asks for no more tokens than the run (compiling itself is tested in test_bench.py)."""
+    target_dir, head_dir, *_ = pair
+    compiled = []
+    monkeypatch.setattr(generate, "compile_step", lambda fn, device: compiled.append(fn) or fn)
+    for head in ([], ["--draft_checkpoint_path", str(head_dir / "draft.pth")]):
+        for n in ("1", "3"):
+            out = tmp_path / "o.json"
+            generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--prompt", "w1 w2", "--compile",
+                           "--max_new_tokens", n, "--device", "cpu", "--json_out", str(out), *head])
+            assert len(json.loads(out.read_text())["tokens"]) == int(n)
+    assert len(compiled) == 4
+
+
+def test_max_new_tokens_zero_returns_nothing(pair):
+    *_, model, draft = pair
+    for d in (None, draft):
+        result = bounded(lambda: generate.generate(model, [1, 5], 0, SamplingConfig(), draft=d))
+        assert result.tokens == [] and result.accept_lengths == []
+    with pytest.raises(EagletError, match="max_new_tokens"):
+        generate.generate(model, [1, 5], -1, SamplingConfig())
+
+
+def test_tokenizer_smaller_than_the_model(tmp_path):
+    make_hf_checkpoint(tmp_path, "llama2")
+    convert(tmp_path, **QUIET)
+    from conftest import write_tokenizer
+    write_tokenizer(tmp_path, vocab_size=40)
+    tokenizer = Tokenizer(tmp_path)
+    with pytest.raises(EagletError, match="token id 50 is beyond the tokenizer's 40 tokens"):
+        tokenizer.decode([5, 50])
+    with pytest.raises(SystemExit, match="tokenizer has 40 tokens but the model 96"):
+        generate.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--device", "cpu", "--prompt", "w1"])
+
+
+def test_legacy_format_bin_converts(tmp_path):
+    from safetensors.torch import load_file
+    make_hf_checkpoint(tmp_path / "new", "llama2")
+    convert(tmp_path / "new", **QUIET)
+    (tmp_path / "old").mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "new" / f, tmp_path / "old" / f)
+    weights = load_file(str(tmp_path / "new" / "model.safetensors"))
+    torch.save(weights, tmp_path / "old" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    convert(tmp_path / "old", **QUIET)
+    new, old = (torch.load(tmp_path / d / "model.pth", weights_only=True) for d in ("new", "old"))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+
+
+def test_no_draft_wins_over_a_draft_path(pair, tmp_path):
+    target_dir, head_dir, *_ = pair
+    out = tmp_path / "o.json"
+    argv = ["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path", str(head_dir / "draft.pth"),
+            "--prompt", "w1", "--max_new_tokens", "12", "--device", "cpu", "--json_out", str(out)]
+    generate.main(argv)
+    assert json.loads(out.read_text())["cycles"] > 0
+    generate.main(argv + ["--no_draft"])
+    assert json.loads(out.read_text())["cycles"] == 0
+
+
+MULTI_TURN = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+              "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_template_jinja_is_read_and_named(checkpoints, tmp_path, capsys):
+    source, _ = checkpoints("llama2")
+    shutil.copytree(source, tmp_path / "m")
+    path = tmp_path / "m"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer(path).chat_template_source.startswith("built-in llama2")  # said, not silent
+    (path / "chat_template.jinja").write_text(MULTI_TURN)
+    tok = Tokenizer(path)
+    assert tok.chat_template_source == str(path / "chat_template.jinja")
+    messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"},
+                {"role": "assistant", "content": "w3"}, {"role": "user", "content": "w4"}]
+    assert tok.encode_chat(messages) == tok.encode_with_specials(
+        "<|system|>w1<|user|>w2<|assistant|>w3</s><|user|>w4<|assistant|>")
+    out = tmp_path / "o.json"
+    generate.main(["--checkpoint_path", str(path / "model.pth"), "--chat", "--system", "w1", "--prompt", "w2",
+                   "--max_new_tokens", "2", "--device", "cpu", "--json_out", str(out)])
+    assert f"chat template: {path / 'chat_template.jinja'}" in capsys.readouterr().out
+    assert json.loads(out.read_text())["prompt_tokens"] == tok.encode_with_specials("<|system|>w1<|user|>w2<|assistant|>")
+
+
+def test_tau_counts_emitted_tokens(pair):
+    *_, model, draft = pair
+    for n in (5, 9, 23):
+        result = generate.generate(model, [1, 5, 9], n, SamplingConfig(), draft=draft)
+        assert len(result.tokens) == n and max(result.accept_lengths) > 1
+        assert sum(result.accept_lengths) == n - 1  # every token but the first (from the prefill) came from a cycle
+
+
+def test_weights_read_counts_one_embedding_row_and_draft_passes(pair):
+    *_, model, draft = pair
+    params = {p.data_ptr(): p for p in model.parameters()}
+    embed = model.tok_embeddings.weight
+    expected = sum(p.numel() for p in params.values()) - embed.numel() + embed.shape[1]
+    assert generate.weight_bytes(model) == 4 * expected  # fp32, untied: one row of the table per token
+    tree = TreeConfig(depth=3, topk=4, total_tokens=16)
+    draft_bytes = 4 * sum(p.numel() for p in draft.parameters())
+    assert generate.cycle_weight_bytes(model, draft, tree) == 4 * expected + 4 * (draft_bytes + 4 * model.output.weight.numel())
+
+
+@pytest.mark.skipif(not (SHARED / "data/tokenizers/llama2-tokenizer.model").exists(), reason="needs ../shared")
+def test_json_text_is_what_was_streamed_with_sentencepiece(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    config = tiny_config("llama2")
+    config.vocab_size = 32000
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    shutil.copy(SHARED / "data/tokenizers/llama2-tokenizer.model", tmp_path / "tokenizer.model")
+    convert(tmp_path, **QUIET)
+    out = tmp_path / "o.json"
+    generate.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--prompt", "Hello", "--max_new_tokens", "12",
+                   "--device", "cpu", "--json_out", str(out), "--temperature", "1"])
+    text = json.loads(out.read_text())["text"]
+    printed = capsys.readouterr().out.split("--- sample 1/1\n")[1]
+    assert printed.startswith("Hello" + text + "\n")
+
+
+def test_interactive_quits_quietly_and_answers_a_turn_too_long_for_the_history(checkpoints, monkeypatch, capsys):
+    path, _ = checkpoints("llama2")
+    long_turn = " ".join(f"w{i % 90}" for i in range(40))
+
+    def turns():
+        yield from ["w1 w2", long_turn]
+        raise KeyboardInterrupt
+    lines = turns()
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--max_new_tokens", "20",
+                   "--device", "cpu", "--max_seq_length", "64"])  # returns: no SystemExit, no traceback
+    out = capsys.readouterr().out
+    assert "Ctrl-D (or Ctrl-C) quits" in out and out.count("Assistant:") == 2
+    assert "starting a new one with this message" in out
+    monkeypatch.setattr("builtins.input", scripted_input([" ".join(["w1"] * 80)]))
+    generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--device", "cpu",
+                   "--max_seq_length", "64"])
+    assert "it was not sent" in capsys.readouterr().out
+
+
+def test_head_without_matching_shapes_keeps_the_detail(checkpoints, tmp_path):
+    target, _ = checkpoints("llama2")
+    weights = random_head_weights(64, 4, 4, 96, 96)
+    weights["layers.0.mlp.down_proj.weight"] = torch.zeros(64, 80)
+    write_eagle_head(tmp_path / "h", weights, head_config(64, 4, 4, 96, 96))
+    convert(tmp_path / "h", **QUIET)
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    with pytest.raises(EagletError, match=r"size mismatch for layer.feed_forward.w2.weight.*\[64, 80\]"):
+        load_draft(tmp_path / "h" / "draft.pth", model)
