@@ -44,7 +44,8 @@ def test_reordered_full_vocabulary_keeps_every_acceptance(pair, tmp_path):
     shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     draft = load_draft(head_dir / "draft.pth", model, write_vocab(tmp_path / "v.json", shuffled))
     assert draft.vocab_size == 64 and draft.vocab_lm_head.shape == (64, 64)
-    assert run(model, draft, PROMPTS) == 8.0
+    full = run(model, load_draft(head_dir / "draft.pth", model), PROMPTS)
+    assert full > 7 and run(model, draft, PROMPTS) == full
 
 
 def test_reduced_vocabulary_is_lossless_and_proposes_only_its_tokens(pair, tmp_path):

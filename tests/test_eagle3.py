@@ -117,7 +117,7 @@ def prompts(vocab, n, seed=0):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("name,tau_range", [("random", (1.0, 1.5)), ("agreeing", (8.5, 9.0)),
+@pytest.mark.parametrize("name,tau_range", [("random", (1.0, 1.5)), ("agreeing", (7.5, 9.0)),
                                             ("vocab-missing-8", (3.0, 8.0))])
 def test_greedy_speculative_equals_plain(checkpoints, agreeing, tmp_path, name, tau_range):
     if name == "random":
@@ -139,6 +139,8 @@ def test_greedy_speculative_equals_plain(checkpoints, agreeing, tmp_path, name, 
     assert tau_range[0] <= tau <= tau_range[1]
     if name == "vocab-missing-8":
         assert len(set(lengths)) >= 4
+    if name == "agreeing":  # every cycle but a run's last (cut at max_new_tokens) accepts the deepest path
+        assert lengths.count(9) >= len(lengths) - 6
 
 
 def test_cli_runs_eagle3_head_with_its_default_tree(agreeing, capsys, tmp_path):
