@@ -1,9 +1,10 @@
 """Build the demo from nothing but this machine: a sentencepiece tokenizer, a small LLaMA-architecture
-code model and its EAGLE-1/2 head, all trained by eaglet's own code on the running interpreter's
-standard-library sources (a few modules kept out for evaluation).
+code model, its EAGLE-1/2 head and its EAGLE-3 head, all trained by eaglet's own code on the running
+interpreter's standard-library sources (a few modules kept out for evaluation).
 
-    python scripts/make_demo.py --out_dir my_demo     # writes my_demo/target, my_demo/head, my_demo/RECIPE.json
+    python scripts/make_demo.py --out_dir my_demo     # writes my_demo/{target,head,head3}, my_demo/RECIPE.json
     python scripts/make_demo.py --out_dir demo --overwrite   # rebuilds the shipped demo itself
+    python scripts/make_demo.py --out_dir demo --only_head3  # retrains only the EAGLE-3 head, for the target there
 
 generate.py uses demo/ when no checkpoint is given.
 """
@@ -34,6 +35,10 @@ TARGET_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "
                  "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
                  "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
                  "torch_dtype": "bfloat16"}
+# The EAGLE-3 head reads the target's hidden states entering these layers (4 = the last layer's output): low,
+# middle and top of the 4-layer target, as the default 2, L//2, L-3 are of a 32-layer one (here they would be 2, 2, 1).
+HEAD3_FEATURE_LAYERS = (1, 2, 4)
+HEAD3_STEPS, HEAD3_SEQ_LEN = 600, 128  # each step unrolled 7 times: about 6x an EAGLE-1/2 step's compute per token
 
 
 def stdlib_files(held_out: bool) -> list:
@@ -118,17 +123,19 @@ def held_out_prompts(tokenizer: Tokenizer, n: int, prompt_len: int = 48) -> list
     return prompts[:n]
 
 
-def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_tokens: int = 64) -> dict:
-    """tau at the default tree on held-out code, greedy and at temperature 1; greedy checked against plain."""
+def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_tokens: int = 64,
+                tree: TreeConfig = TreeConfig()) -> dict:
+    """tau on held-out code (by default at 60/6/10 for every head), greedy and at temperature 1; greedy
+    checked against plain."""
     tokenizer = Tokenizer(target_dir)
-    model = load_target(target_dir / "model.pth", "cpu", "fp32", 48 + 1 + max_new_tokens + TreeConfig().scratch)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 48 + 1 + max_new_tokens + tree.scratch)
     draft = load_draft(head_dir / "draft.pth", model)
     out = {}
     for name, sampling in [("greedy", SamplingConfig()), ("temperature_1", SamplingConfig(temperature=1.0))]:
         lengths, mismatches, t0 = [], 0, time.perf_counter()
         for i, prompt in enumerate(held_out_prompts(tokenizer, n_prompts)):
             torch.manual_seed(i)
-            result = generate(model, prompt, max_new_tokens, sampling, draft=draft)
+            result = generate(model, prompt, max_new_tokens, sampling, draft=draft, tree=tree)
             lengths += result.accept_lengths
             if sampling.temperature == 0:
                 mismatches += result.tokens != generate(model, prompt, max_new_tokens, sampling).tokens
@@ -138,22 +145,8 @@ def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_t
     return out
 
 
-def main():
-    p = cli_parser(__doc__)
-    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/ and RECIPE.json go")
-    p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
-    p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
-    p.add_argument("--head_steps", type=int_flag(1), default=1000, help="head training steps (as shipped)")
-    p.add_argument("--seq_len", type=int_flag(2), default=256, help="training sequence length")
-    p.add_argument("--batch_size", type=int_flag(1), default=16, help="training batch size")
-    args = p.parse_args()
-    target_dir, head_dir = args.out_dir / "target", args.out_dir / "head"
-    if (target_dir / "model.pth").exists() and not args.overwrite:
-        p.error(f"{args.out_dir} already holds a demo; --overwrite replaces it")
-    target_dir.mkdir(parents=True, exist_ok=True)
-    recipe, t_start = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-                       "python": platform.python_version()}, time.perf_counter()
-    files = stdlib_files(held_out=False)
+def build_target_and_head(args, target_dir: Path, head_dir: Path, files: list, recipe: dict):
+    """The tokenizer, the target and its EAGLE-1/2 head, each stage recorded in recipe."""
     t0 = time.perf_counter()
     train_tokenizer(files, target_dir, TARGET_CONFIG["vocab_size"])
     tokenizer = Tokenizer(target_dir)
@@ -184,10 +177,65 @@ def main():
     recipe["head"] = {"train": asdict(head_cfg), "seconds": round(time.perf_counter() - t0, 1)}
     print(f"head: {recipe['head']['seconds']} s")
 
+
+def train_head3(args, target_dir: Path, head3_dir: Path, files: list) -> dict:
+    """The EAGLE-3 head, trained on the same sources; shipped as config.json + draft.pth in bf16 only."""
+    t0 = time.perf_counter()
+    examples = code_examples(files, Tokenizer(target_dir), args.head3_seq_len)
+    cfg = TrainConfig(steps=args.head3_steps, batch_size=args.batch_size, seq_len=args.head3_seq_len, lr=2e-3,
+                      warmup=50, save_every=10 ** 9)
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    shutil.rmtree(head3_dir, ignore_errors=True)
+    train(target, examples, head3_dir, cfg, resume=False, kind="eagle3", feature_layers=HEAD3_FEATURE_LAYERS)
+    convert(head3_dir)
+    weights = torch.load(head3_dir / "draft.pth", weights_only=True)
+    torch.save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+               head3_dir / "draft.pth")
+    for name in ("train_state.pt", "model.safetensors"):  # demo/ stays small; draft.pth is all generate.py reads
+        (head3_dir / name).unlink(missing_ok=True)
+    return {"train": asdict(cfg), "feature_layers": HEAD3_FEATURE_LAYERS, "draft_vocab_size": TARGET_CONFIG["vocab_size"],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main():
+    p = cli_parser(__doc__)
+    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/, head3/ and RECIPE.json go")
+    p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
+    p.add_argument("--only_head3", action="store_true",
+                   help="train only the EAGLE-3 head for the target already in out_dir, and measure both heads")
+    p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
+    p.add_argument("--head_steps", type=int_flag(1), default=1000, help="EAGLE-1/2 head training steps (as shipped)")
+    p.add_argument("--head3_steps", type=int_flag(1), default=HEAD3_STEPS, help="EAGLE-3 head training steps (as shipped)")
+    p.add_argument("--seq_len", type=int_flag(2), default=256, help="training sequence length (target, EAGLE-1/2 head)")
+    p.add_argument("--head3_seq_len", type=int_flag(2), default=HEAD3_SEQ_LEN,
+                   help="EAGLE-3 head training sequence length (each step is unrolled 7 times)")
+    p.add_argument("--batch_size", type=int_flag(1), default=16, help="training batch size")
+    args = p.parse_args()
+    target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
+    recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
+    files = stdlib_files(held_out=False)
+    if args.only_head3:
+        if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
+            p.error(f"--only_head3 needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
+        recipe = json.loads(recipe_path.read_text())
+    else:
+        if (target_dir / "model.pth").exists() and not args.overwrite:
+            p.error(f"{args.out_dir} already holds a demo; --overwrite replaces it (--only_head3 keeps its target)")
+        target_dir.mkdir(parents=True, exist_ok=True)
+        recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+                  "python": platform.python_version()}
+        build_target_and_head(args, target_dir, head_dir, files, recipe)
+    recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
+    print(f"head3: {recipe['head3']['seconds']} s")
+
     print("measuring tau on the held-out modules", flush=True)
-    recipe["held_out"] = {"modules": HELD_OUT, **measure_tau(target_dir, head_dir)}
-    recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    (args.out_dir / "RECIPE.json").write_text(json.dumps(recipe, indent=2))
+    depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
+    recipe["held_out"] = {"modules": HELD_OUT, "tree": asdict(TreeConfig()), "head": measure_tau(target_dir, head_dir),
+                          "head3": measure_tau(target_dir, head3_dir),
+                          "head3_depth7": measure_tau(target_dir, head3_dir, tree=depth7)}
+    if not args.only_head3:
+        recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    recipe_path.write_text(json.dumps(recipe, indent=2))
     print(json.dumps(recipe["held_out"], indent=2))
 
 
