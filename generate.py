@@ -94,14 +94,16 @@ def sample(logits: Tensor, sampling: SamplingConfig) -> Tensor:
 def prefill(model: Transformer, tokens: Tensor, start_pos: int):
     """Write tokens [1, T] at positions start_pos.. into the cache; return (last logits, all features)."""
     input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
-    mask = causal_mask(input_pos, model.max_seq_length)
+    mask = causal_mask(input_pos, start_pos + tokens.shape[1])  # eager: attend over the filled slots only
     logits, hidden = model(tokens, input_pos, input_pos, mask, logits_idx=torch.tensor([-1], device=tokens.device))
     return logits[:, -1], hidden
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig):
-    """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed."""
-    logits, _ = model(token, input_pos, input_pos, causal_mask(input_pos, model.max_seq_length))
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
+                     filled: int = 0):
+    """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
+    Eager callers may pass filled (input_pos + 1, known on the host): only those cache slots are read."""
+    logits, _ = model(token, input_pos, input_pos, causal_mask(input_pos, filled or model.max_seq_length))
     return sample(logits[:, -1], sampling)
 
 
@@ -287,7 +289,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                           torch.tensor(len(pairs) - 1, device=device))
     while not done:
         if draft is None:
-            token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling).clone()
+            filled = {} if step_fn else {"filled": len(prompt_tokens) + len(tokens)}  # compiled: fixed shapes
+            token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **filled).clone()
             ctx_len += 1
             new = [token.item()]
         else:
@@ -666,8 +669,9 @@ def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int)
 
 
 def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
-    """A model's embedding table may be padded a little past its tokenizer (Qwen2: by 0.3%), never by 10%."""
-    n_tok, n_model = tokenizer.vocab_size, model.args.vocab_size
+    """A model's embedding table may be padded a little past its tokenizer (Qwen2: by 0.3%), never by 10%,
+    unless its config.json says which tokens it emits (tokenizer_vocab_size: the inflated demo's)."""
+    n_tok, n_model = tokenizer.vocab_size, model.args.extra.get("tokenizer_vocab_size") or model.args.vocab_size
     if n_tok > n_model or n_tok < 0.9 * n_model:
         raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
 

@@ -1,7 +1,8 @@
 """A LLaMA-family decoder (LLaMA-2/3/3.1/3.2, Vicuna, Mistral, Qwen2, Qwen3) with a static KV cache.
 
 One forward serves prefill, one-token decode and a token tree: the caller passes the token ids,
-their RoPE positions, the cache slots their K/V go to, and a boolean mask over the whole cache.
+their RoPE positions, the cache slots their K/V go to, and a boolean mask over the cache (its first L
+slots; compiled code on CUDA reads only the blocks of the cache the mask lets some token see).
 It returns the logits (optionally only at some positions) and the features its EAGLE draft head
 reads: the last hidden state after the final norm (EAGLE-1/2), or the hidden states entering the layers
 listed in `feature_layers`, concatenated (EAGLE-3).
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 class EagletError(Exception):
@@ -84,7 +86,7 @@ class ModelArgs:
             o_bias=model_type in ("llama", "qwen3") and bool(config.get("attention_bias")),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), model_type=model_type,
-            extra={k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
+            extra={k: config.get(k) for k in ("bos_token_id", "eos_token_id", "tokenizer_vocab_size")},
         )
 
     @classmethod
@@ -111,7 +113,7 @@ def read_config(checkpoint_dir) -> dict:
 
 
 REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "tokenizer_vocab_size")
 
 
 def check_config_values(config: dict):
@@ -209,8 +211,58 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_cache is not None:  # without a cache (training) the block attends to itself only
             k, v = self.kv_cache.update(cache_slots, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
+        y = attend(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+    """Attention of q [B, H, T, D] over the cache k, v [B, H_kv, S, D] as the mask allows.
+
+    mask is a BlockMask (compiled code, see block_mask: only the cache blocks holding visible slots are read)
+    or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what is filled).
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
+    if gqa and q.is_cuda:  # a boolean mask with enable_gqa falls to the math kernel on CUDA; expanded, it is fused
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+KV_BLOCK = 128  # cache slots per block of a BlockMask; blocks with no visible slot are skipped
+
+
+def block_mask(mask: Tensor) -> BlockMask:
+    """The boolean mask [T, S] as a BlockMask for flex_attention: the same attention, but the kernel reads
+    only the KV blocks in which some query sees a slot (the filled context and the block's own slots), so
+    a step's cost follows the context, not the cache size. Fixed shapes: one compiled graph for all lengths."""
+    n_q, n_kv = mask.shape
+    q_blocks, kv_blocks = -(-n_q // KV_BLOCK), -(-n_kv // KV_BLOCK)
+    q_pad, kv_pad = q_blocks * KV_BLOCK - n_q, kv_blocks * KV_BLOCK - n_kv
+    padded = F.pad(mask, (0, kv_pad, 0, q_pad))
+    some = padded.view(q_blocks, KV_BLOCK, kv_blocks, KV_BLOCK).any(dim=3).any(dim=1)  # [q_blocks, kv_blocks]
+    every = F.pad(padded[:n_q], (0, 0, 0, q_pad), value=True)  # padding rows must not make a block partial
+    every = every.view(q_blocks, KV_BLOCK, kv_blocks, KV_BLOCK).all(dim=3).all(dim=1)
+    partial = some & ~every
+
+    def listed(chosen: Tensor):  # the chosen blocks' indices first, and how many there are
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return chosen.sum(-1, dtype=torch.int32)[None, None], order[None, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return padded[q_idx, kv_idx]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(n_q, n_kv))
+
+
+def compiled_mask(mask: Tensor):
+    """What attention takes: inside torch.compile on CUDA a BlockMask; elsewhere the boolean mask. (Eager
+    flex_attention is a slow reference, and CPU inductor's flex kernel cannot read a mask computed inside
+    the graph, as the cycle's tree masks are: on CPU the compiled cycle attends over the whole cache.)"""
+    return block_mask(mask) if torch.compiler.is_compiling() and mask.is_cuda else mask
 
 
 class FeedForward(nn.Module):
@@ -296,12 +348,14 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,
                 logits_idx: Optional[Tensor] = None):
-        """idx [B, T]; input_pos and cache_slots [T]; mask [T, max_seq_length] (True = may attend).
+        """idx [B, T]; input_pos and cache_slots [T]; mask [T, L] (True = may attend) over the first L cache
+        slots: L = max_seq_length in compiled code (fixed shapes), what is filled in an eager prefill.
 
         Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(input_pos, x.dtype)
+        mask = compiled_mask(mask)
         layer_inputs = {}  # kept only for the layers the draft head reads
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:

@@ -1,0 +1,234 @@
+"""Embed the demo (a 4-layer, 256-wide code model and its EAGLE head) in weights of a real model's shape that
+compute exactly the demo's function: the same greedy tokens, the same tau, at a real model's cost.
+
+    python scripts/inflate_demo.py --shape llama2-7b --out_dir checkpoints/demo-llama2-7b --device cuda
+    python generate.py --checkpoint_path checkpoints/demo-llama2-7b/target/model.pth \\
+        --draft_checkpoint_path checkpoints/demo-llama2-7b/head/draft.pth --compile
+
+How (zero padding, nothing trained): the demo's hidden dimensions come first and the rest stay zero, but
+for one "bias channel" that holds a small constant c in the residual stream; RMSNorms average over the
+wider dimension, so their weights are scaled by sqrt(small / big) and their eps is set so that the bias
+channel's c^2 and the wider mean cancel exactly. Each demo head's dimensions sit in a wider head (the two
+RoPE halves kept apart, rope_theta raised so that every frequency is the demo's, q scaled for the wider
+1/sqrt(head_dim)); demo query heads go to wide heads that share the right key/value head. Extra layers
+and heads have zero output projections; extra MLP units are zero. The extra vocabulary rows read only the
+bias channel with a large negative weight, so they never win, in the target's lm_head nor in the draft's
+use of it. The tokenizer is the demo's (config.json says so in tokenizer_vocab_size).
+"""
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from draft import EagleDraft  # noqa: E402
+from generate import PRECISIONS, cli_parser, load_draft, load_target, pick_device  # noqa: E402
+from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+SHAPES = {  # the fields that make a model's cost: LLaMA-2-7B and LLaMA-3-8B
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=4096),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
+}
+BIAS = 2.0 ** -5  # the bias channel's value (exact in bf16); c^2 must stay below small dim x eps
+NEVER = -2.0e4  # extra vocabulary rows' weight on the bias channel
+
+
+class Layout:
+    """Where the demo's numbers go in the wide model: hidden dims, head dims, query heads, key/value heads."""
+
+    def __init__(self, small: ModelArgs, big: ModelArgs):
+        if not (big.dim > small.dim and big.n_layer >= small.n_layer and big.n_head >= small.n_head
+                and big.head_dim >= small.head_dim and big.intermediate_size >= small.intermediate_size
+                and big.vocab_size >= small.vocab_size and big.head_dim % 2 == 0):
+            raise EagletError(f"cannot embed a {small.dim}-wide, {small.n_layer}-layer model in {big.dim} x "
+                              f"{big.n_layer} (every size must be at least the demo's, the width larger)")
+        self.small, self.big = small, big
+        self.bias_dim = big.dim - 1
+        self.ratio = small.dim / big.dim
+        half, big_half = small.head_dim // 2, big.head_dim // 2
+        i = torch.arange(small.head_dim)
+        self.head_dims = torch.where(i < half, i, i - half + big_half)  # the two RoPE halves stay apart
+        small_rep, big_rep = small.n_head // small.n_local_heads, big.n_head // big.n_local_heads
+        h = torch.arange(small.n_head)
+        if big_rep >= small_rep:  # each demo kv group keeps its query heads together inside one wide group
+            self.q_heads = (h // small_rep) * big_rep + h % small_rep
+        elif small_rep % big_rep == 0:  # smaller wide groups: head h stays h, kv heads are duplicated
+            self.q_heads = h
+        else:
+            raise EagletError(f"{big.n_head} heads over {big.n_local_heads} key/value heads cannot hold the "
+                              f"demo's {small.n_head} over {small.n_local_heads}")
+        if int(self.q_heads.max()) >= big.n_head or big.n_local_heads * big.head_dim < small.head_dim:
+            raise EagletError(f"{small.n_head} demo heads do not fit in {big.n_head} heads")
+        self.kv_source = {bh // big_rep: hh // small_rep for bh, hh in zip(self.q_heads.tolist(), h.tolist())}
+        # rope: frequency j of the wide head is theta'^(-2j/D); the demo's is theta^(-2j/d)
+        self.rope_theta = small.rope_base ** (big.head_dim / small.head_dim)
+
+    def eps(self, small_eps: float) -> float:
+        """(sum + c^2) / D + eps' = (small / D) (sum / small + eps): the wide norm sees the demo's statistics."""
+        eps = self.ratio * small_eps - BIAS ** 2 / self.big.dim
+        if eps <= 0:
+            raise EagletError("the bias channel is too large for this eps")
+        return eps
+
+    def head_rows(self, head: int, offset: int) -> torch.Tensor:
+        return offset + head * self.big.head_dim + self.head_dims
+
+
+def copy_attention(big, small, lay: Layout):
+    """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim)."""
+    s, b = lay.small, lay.big
+    d, sd = s.head_dim, s.dim
+    w, wb = small.wqkv.weight, big.wqkv.weight
+    q_scale = math.sqrt(b.head_dim / s.head_dim)
+    for h, bh in enumerate(lay.q_heads.tolist()):
+        wb[lay.head_rows(bh, 0), :sd] = w[h * d:(h + 1) * d] * q_scale
+        big.wo.weight[:sd, lay.head_rows(bh, 0)] = small.wo.weight[:, h * d:(h + 1) * d]
+    k_off, v_off = s.n_head * d, (s.n_head + s.n_local_heads) * d
+    bk_off, bv_off = b.n_head * b.head_dim, (b.n_head + b.n_local_heads) * b.head_dim
+    for bg, g in lay.kv_source.items():
+        wb[lay.head_rows(bg, bk_off), :sd] = w[k_off + g * d:k_off + (g + 1) * d]
+        wb[lay.head_rows(bg, bv_off), :sd] = w[v_off + g * d:v_off + (g + 1) * d]
+
+
+def copy_mlp(big, small, lay: Layout):
+    inter, big_inter, sd = lay.small.intermediate_size, lay.big.intermediate_size, lay.small.dim
+    w13 = small.w13.weight
+    big.w13.weight[:inter, :sd] = w13[:inter]
+    big.w13.weight[big_inter:big_inter + inter, :sd] = w13[inter:]
+    big.w2.weight[:sd, :inter] = small.w2.weight
+
+
+def copy_norm(big, small, lay: Layout):
+    big.weight[:lay.small.dim] = small.weight * math.sqrt(lay.ratio)
+
+
+def empty_module(cls, args: ModelArgs, device, dtype):
+    with torch.device("meta"):
+        module = cls(args).to(dtype)
+    module = module.to_empty(device=device)
+    for p in module.parameters():
+        p.data.zero_()
+    return module
+
+
+def wide_args(small_config: dict, shape: dict, eps: float, rope_theta: float) -> dict:
+    """The wide model's config.json."""
+    keep = {k: small_config[k] for k in ("bos_token_id", "eos_token_id") if k in small_config}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "rms_norm_eps": eps,
+            "rope_theta": rope_theta, "tie_word_embeddings": False, **keep}
+
+
+@torch.no_grad()
+def inflate_target(small: Transformer, shape: dict, device, dtype):
+    """The demo target inside a model of this shape; returns (model, its config.json, the layout)."""
+    small_config = {"bos_token_id": small.args.extra.get("bos_token_id"),
+                    "eos_token_id": small.args.extra.get("eos_token_id")}
+    probe = ModelArgs.from_hf_config({"model_type": "llama", **shape})
+    lay = Layout(small.args, probe)
+    config = wide_args(small_config, shape, lay.eps(small.args.norm_eps), lay.rope_theta)
+    config["tokenizer_vocab_size"] = small.args.vocab_size
+    args = ModelArgs.from_hf_config(config)
+    lay.big = args
+    big = empty_module(Transformer, args, device, dtype)
+    sd, sv = small.args.dim, small.args.vocab_size
+    big.tok_embeddings.weight[:sv, :sd] = small.tok_embeddings.weight
+    big.tok_embeddings.weight[:, lay.bias_dim] = BIAS
+    big.output.weight[:sv, :sd] = small.output.weight
+    big.output.weight[sv:, lay.bias_dim] = NEVER
+    copy_norm(big.norm, small.norm, lay)
+    big.norm.weight[lay.bias_dim] = 1 / BIAS  # extra rows score NEVER x rms-normalised 1
+    stride = args.n_layer // small.args.n_layer
+    for layer in big.layers:  # extra layers: zero output projections, so they add nothing
+        layer.attention_norm.weight.fill_(1.0)
+        layer.ffn_norm.weight.fill_(1.0)
+    for i, small_layer in enumerate(small.layers):
+        layer = big.layers[i * stride]
+        copy_attention(layer.attention, small_layer.attention, lay)
+        copy_mlp(layer.feed_forward, small_layer.feed_forward, lay)
+        copy_norm(layer.attention_norm, small_layer.attention_norm, lay)
+        copy_norm(layer.ffn_norm, small_layer.ffn_norm, lay)
+    return big.eval(), config, lay
+
+
+@torch.no_grad()
+def inflate_head(small: EagleDraft, small_config: dict, lay: Layout, device, dtype):
+    """The demo's EAGLE-1/2 head for the wide target; returns (head, its config.json)."""
+    if not isinstance(small, EagleDraft):
+        raise EagletError("only EAGLE-1/2 heads can be inflated")
+    b = lay.big
+    config = {**small_config, "hidden_size": b.dim, "num_attention_heads": b.n_head,
+              "num_key_value_heads": b.n_local_heads, "head_dim": b.head_dim,
+              "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
+              "max_position_embeddings": b.max_position_embeddings, "rope_theta": lay.rope_theta,
+              "rms_norm_eps": lay.eps(small.args.norm_eps), "bias": True}
+    config.pop("rope_scaling", None)
+    args = ModelArgs.from_hf_config({"model_type": "llama", **config})
+    with torch.device("meta"):
+        head = EagleDraft(args).to(dtype)
+    head = head.to_empty(device=device)
+    for p in head.parameters():
+        p.data.zero_()
+    sd = lay.small.dim
+    head.fc.weight[:sd, :sd] = small.fc.weight[:, :sd]  # embedding part
+    head.fc.weight[:sd, b.dim:b.dim + sd] = small.fc.weight[:, sd:]  # feature part
+    head.fc.bias[:sd] = small.fc.bias
+    head.fc.bias[lay.bias_dim] = BIAS  # the head's own output carries the bias channel to the lm_head
+    copy_attention(head.layer.attention, small.layer.attention, lay)
+    copy_mlp(head.layer.feed_forward, small.layer.feed_forward, lay)
+    copy_norm(head.layer.ffn_norm, small.layer.ffn_norm, lay)
+    return head.eval(), config
+
+
+def inflate(demo_dir: Path, shape: dict, device="cpu", dtype=torch.float32):
+    """(target, head, target config, head config) of the demo in this shape, built on device in dtype."""
+    small = load_target(demo_dir / "target" / "model.pth", "cpu", "fp32")
+    small_head = load_draft(demo_dir / "head" / "draft.pth", small)
+    target, target_config, lay = inflate_target(small, shape, device, dtype)
+    head, head_config = inflate_head(small_head, read_config(demo_dir / "head"), lay, device, dtype)
+    return target, head, target_config, head_config
+
+
+def save(out_dir: Path, demo_dir: Path, target, head, target_config, head_config):
+    (out_dir / "target").mkdir(parents=True)
+    (out_dir / "head").mkdir()
+    dtype = str(target.output.weight.dtype).removeprefix("torch.")
+    (out_dir / "target" / "config.json").write_text(json.dumps({**target_config, "torch_dtype": dtype}, indent=2))
+    (out_dir / "head" / "config.json").write_text(json.dumps({**head_config, "torch_dtype": dtype}, indent=2))
+    torch.save(target.state_dict(), out_dir / "target" / "model.pth")
+    torch.save(head.state_dict(), out_dir / "head" / "draft.pth")
+    shutil.copy(demo_dir / "target" / "tokenizer.model", out_dir / "target" / "tokenizer.model")
+
+
+def main(argv=None):
+    p = cli_parser(__doc__)
+    p.add_argument("--shape", choices=list(SHAPES), default="llama2-7b", help="the real model whose shape to take")
+    p.add_argument("--out_dir", type=Path, required=True, help="writes OUT_DIR/target and OUT_DIR/head")
+    p.add_argument("--demo_dir", type=Path, default=DEMO_DIR, help="the demo to embed")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    args = p.parse_args(argv)
+    try:
+        if args.out_dir.exists():
+            raise EagletError(f"--out_dir {args.out_dir} exists; give a new folder (nothing is overwritten)")
+        device = pick_device(args.device)
+        precision = args.precision or ("bf16" if device == "cuda" else "fp32")
+        print(f"embedding {args.demo_dir} in a {args.shape} shape ({precision} on {device})", flush=True)
+        parts = inflate(args.demo_dir, SHAPES[args.shape], device, PRECISIONS[precision])
+        print(f"writing {args.out_dir}", flush=True)
+        save(args.out_dir, args.demo_dir, *parts)
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: cannot write {args.out_dir}: {e.strerror}")
+    print(f"done: --checkpoint_path {args.out_dir / 'target' / 'model.pth'} "
+          f"--draft_checkpoint_path {args.out_dir / 'head' / 'draft.pth'}")
+
+
+if __name__ == "__main__":
+    main()
