@@ -228,10 +228,11 @@ def hf_twin(target: Transformer):
     return hf.eval()
 
 
-def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool) -> dict:
-    """The same prompt and weights: transformers' generate, our plain decoding, our EAGLE-2 (tokens/s)."""
+def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, prompt=None) -> dict:
+    """The same prompt (default: 64 random tokens) and weights: transformers' generate, our plain decoding,
+    our EAGLE-2 (tokens/s)."""
     device = target.output.weight.device
-    prompt = torch.randint(0, min(target.args.vocab_size, 32000), (64,)).tolist()
+    prompt = prompt or torch.randint(0, min(target.args.vocab_size, 32000), (64,)).tolist()
     rows = {}
     if with_hf:
         hf, ids = hf_twin(target), torch.tensor([prompt], device=device)

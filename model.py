@@ -221,14 +221,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     mask is a BlockMask (compiled code, see block_mask: only the cache blocks holding visible slots are read)
     or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what is filled).
     """
-    gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(**sdpa_inputs(q, k, v, mask))
+
+
+def sdpa_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict:
+    """SDPA's arguments for a boolean mask [T, L]: the first L cache slots; on CUDA the key/value heads
+    expanded, because a boolean mask with enable_gqa falls to the unfused math kernel there."""
     k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
-    if gqa and q.is_cuda:  # a boolean mask with enable_gqa falls to the math kernel on CUDA; expanded, it is fused
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and q.is_cuda:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         gqa = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return dict(query=q, key=k, value=v, attn_mask=mask, enable_gqa=gqa)
 
 
 KV_BLOCK = 128  # cache slots per block of a BlockMask; blocks with no visible slot are skipped

@@ -6,7 +6,7 @@ import torch
 
 import bench
 import generate
-from conftest import SHARED, head_config, random_head_weights, write_eagle_head
+from conftest import ROOT, SHARED, head_config, random_head_weights, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
 
@@ -77,3 +77,20 @@ def test_compiled_speculative_cycle_does_not_recompile(tmp_path):
         lengths |= set(compiled.accept_lengths)
     assert len(lengths) >= 2  # different accepted lengths went through the same graph
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_gpu_check_quick_runs_on_cpu(tmp_path):
+    """scripts/gpu_check.py --quick as a CPU smoke test: every section runs, compiled == eager, no recompiles."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    gpu_check.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "g"), "--depth", "2", "--tree_topk", "3",
+                    "--total_tokens", "8"])
+    results = json.loads((tmp_path / "g" / "results.json").read_text())
+    assert not [name for name, r in results.items() if "error" in r], results
+    checks = results["compiled vs eager (reduced shape)"]
+    for kind in ("plain", "EAGLE-2"):
+        assert checks[kind]["same_tokens"] and checks[kind]["same_tokens_second_prompt"]
+        assert checks[kind]["graphs_compiled_after_warm_up"] == 0
+    assert checks["EAGLE-2"]["tau_compiled"] > 1.5  # the inflated demo accepts for real
+    assert "decode T=1" in results["attention kernels (reduced shape)"]
