@@ -95,7 +95,10 @@ def timed(fn, repeats: int, device):
 GREEDY = SamplingConfig()
 
 
-def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = 128):
+START_PROMPT = 128  # the context of the timed steps and cycles
+
+
+def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = START_PROMPT):
     """Caches holding a random prompt, as after generate()'s prefill: (root, ctx_len, h_last)."""
     device = target.output.weight.device
     tokens = torch.randint(0, target.args.vocab_size, (1, n_prompt), device=device)
@@ -330,9 +333,15 @@ def parse_args(argv=None):
         p.error(f"--eval {args.eval} is not a folder")
     if args.eval and args.model and not args.tokenizer:
         p.error("--eval with --model needs --tokenizer (random weights come with none)")
-    if args.max_seq_length < 64 + args.side_tokens + args.total_tokens:
-        p.error(f"--max_seq_length {args.max_seq_length} is below the side-by-side run's prompt (64 tokens) + "
-                f"--side_tokens ({args.side_tokens}) + --total_tokens ({args.total_tokens})")
+    try:
+        scratch = TreeConfig(args.depth, args.tree_topk, args.total_tokens).scratch
+    except EagletError as e:
+        p.error(str(e))
+    prompt = max(64 + args.side_tokens, START_PROMPT)
+    if args.max_seq_length < prompt + scratch:
+        p.error(f"--max_seq_length {args.max_seq_length} is below the longest run ({prompt} tokens: {START_PROMPT} "
+                f"for the timings, 64 + --side_tokens for the side by side) + tree scratch ({scratch}) = "
+                f"{prompt + scratch}")
     return args
 
 
@@ -353,10 +362,12 @@ def main(argv=None):
     try:
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
-        try:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise EagletError(f"--out {args.out}: cannot make its folder: {e.strerror}")
+        if not args.out.parent.is_dir():
+            try:
+                args.out.parent.mkdir(parents=True)
+            except OSError as e:
+                raise EagletError(f"--out {args.out}: cannot make its folder: {e.strerror}")
+            print(f"made the folder {args.out.parent} for --out")
         for suffix in (".json", ".md"):  # before the long work, not after it
             check_writable(args.out.with_suffix(suffix), "--out")
         tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)

@@ -347,9 +347,17 @@ class Transformer(nn.Module):
                               "eaglet treats attention as full, which is exact only within the window")
         weight = self.output.weight
         self.max_seq_length = max_seq_length
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_local_heads,
-                                               args.head_dim, weight.dtype).to(weight.device)
+        try:
+            for layer in self.layers:
+                layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_local_heads,
+                                                   args.head_dim, weight.dtype).to(weight.device)
+        except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU allocator's refusal
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            kv_gb = 2 * args.n_layer * max_batch_size * max_seq_length * args.n_local_heads * args.head_dim \
+                * weight.element_size() / 1e9
+            raise EagletError(f"a KV cache of {max_seq_length} slots ({kv_gb:.1f} GB) does not fit in memory on "
+                              f"{weight.device}: a smaller --max_seq_length needs less")
         self.setup_rope(max_seq_length)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,

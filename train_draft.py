@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from convert_hf_checkpoint import export_layer
 from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args
-from generate import SamplingConfig, cli_parser, float_flag, generate, int_flag, load_target, pick_device
+from generate import (SamplingConfig, check_writable, cli_parser, float_flag, generate, int_flag, load_target,
+                      pick_device)
 from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config
 from tokenizer import Tokenizer
 
@@ -351,6 +352,9 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
             group["lr"] = lr_at(step, cfg)
         with autocast:
             loss, top1 = loss_fn(head, target, tokens, mask, cfg)
+        if not torch.isfinite(loss):  # one sync a step; a NaN head must never be saved
+            raise EagletError(f"the loss became {loss.item()} at step {step + 1}: training diverged "
+                              f"(a smaller --lr or --noise may help); nothing was saved at this step")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -424,6 +428,15 @@ def check_out_dir(out_dir: Path):
                           "head being trained there; writing the head would overwrite it: choose another folder")
 
 
+def prepare_out_dir(out_dir: Path):
+    """Make out_dir and check that the head can be written there, before loading and self-distilling."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EagletError(f"--out_dir {out_dir} cannot be made: {e.strerror or e}")
+    check_writable(out_dir / "train_state.pt", "--out_dir")
+
+
 def llama_head_config(args: ModelArgs) -> dict:
     """The config.json both kinds of head share: a one-layer LLaMA of the target's shapes."""
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
@@ -485,6 +498,7 @@ def main(argv=None):
         check_out_dir(args.out_dir)
         if args.out_dir.resolve() == args.checkpoint_path.resolve().parent:
             raise EagletError(f"--out_dir {args.out_dir} is the target's own folder: the head would overwrite it")
+        prepare_out_dir(args.out_dir)
         device = pick_device(args.device)
         precision = "bf16" if device == "cuda" else "fp32"  # weights for the target; training runs in autocast
         target = load_target(args.checkpoint_path, device, precision if args.self_distill else "fp32")

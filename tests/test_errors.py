@@ -136,9 +136,18 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "lr nan": ("train", lambda w: train(w, "--lr", "nan"), "finite"),
     "batch_size zero": ("train", lambda w: train(w, "--batch_size", "0"), "batch_size must be at least 1"),
     "seq_len beyond the model": ("train", lambda w: train(w, "--seq_len", "100000"), "seq_len (100000) exceeds"),
+    "out_dir cannot be made": ("train", lambda w: train(w, out="/proc/eaglet/head"),
+                               "cannot be made"),
+    "lr so large training diverges": ("train", lambda w: train(w, "--lr", "1e30", "--steps", "5", "--batch_size", "2",
+                                                               out=w.root / "diverged_lr"), "training diverged"),
+    "noise so large training diverges": ("train", lambda w: train(w, "--noise", "1e308", "--batch_size", "2",
+                                                                  out=w.root / "diverged_noise"), "training diverged"),
     "question file not JSON": ("train", lambda w: train(w, data=w.bad_data), "line 1 is not JSON"),
     "bench repeats zero": ("bench", lambda w: ["--model", "tiny", "--repeats", "0"], "--repeats"),
     "bench two models": ("bench", lambda w: ["--model", "tiny", "--checkpoint_path", str(w.good)], "exactly one"),
+    "bench tree past the cache": ("bench", lambda w: ["--model", "tiny", "--depth", "300"], "+ tree scratch (3000) = 3192"),
+    "bench cache beyond memory": ("bench", lambda w: ["--model", "tiny", "--max_seq_length", str(10 ** 11)],
+                                  "does not fit in memory"),
     "bench eval missing": ("bench", lambda w: ["--model", "tiny", "--eval", str(w.root / "nope")], "not a folder"),
     "bench eval without tokenizer": ("bench", lambda w: ["--model", "tiny", "--eval", str(w.root)], "--tokenizer"),
     "download bad repo id": ("download", lambda w: ["--repo_id", "../etc"], "org/name"),
@@ -173,3 +182,12 @@ def test_outputs_are_not_clobbered(w):
     with pytest.raises(SystemExit):
         train_draft.main(train(w, out=w.good.parent))
     assert {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()} == before
+
+
+def test_a_diverged_training_saves_nothing(w):
+    with pytest.raises(SystemExit):
+        train_draft.main(train(w, "--lr", "1e30", "--steps", "5", "--batch_size", "2", "--save_every", "1",
+                               out=w.root / "diverged_saves"))
+    saved = torch.load(w.root / "diverged_saves" / "train_state.pt", weights_only=True)
+    assert saved["step"] >= 1 and all(torch.isfinite(t).all() for t in saved["head"].values())
+    assert not (w.root / "diverged_saves" / "model.safetensors").exists()

@@ -63,16 +63,23 @@ def test_sampling_distribution_processing():
 
 def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatch, capsys):
     path, _ = checkpoints("llama2")
-    calls = []
+    calls, results = [], []
     real_generate = generate.generate
     monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7"]))
-    monkeypatch.setattr(generate, "generate", lambda *a, **k: calls.append((a, k)) or real_generate(*a, **k))
+    monkeypatch.setattr(generate, "generate",
+                        lambda *a, **k: calls.append((a, k)) or results.append(real_generate(*a, **k)) or results[-1])
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--max_new_tokens", "5",
                    "--device", "cpu", "--max_seq_length", "128"])
     assert len(calls) == 2
     first_prompt, second_prompt = calls[0][0][1], calls[1][0][1]
-    assert second_prompt[:len(first_prompt)] == first_prompt
-    assert calls[1][1]["start_pos"] >= len(first_prompt)  # only the new turn is prefilled
+    first_reply = results[0].tokens
+    # The cache holds the first prompt and the reply but its last token (sampled, never fed back); the
+    # second turn's prompt repeats them, so only what follows is prefilled.
+    reused = first_prompt + first_reply[:-1]
+    assert second_prompt[:len(reused)] == reused and len(first_reply) > 1
+    assert calls[1][1]["start_pos"] == len(reused)
+    model = calls[1][0][0]  # a fresh prefill of the whole second prompt gives the same reply
+    assert real_generate(model, second_prompt, 5, generate.SamplingConfig()).tokens == results[1].tokens
     assert "Assistant:" in capsys.readouterr().out
 
 

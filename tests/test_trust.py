@@ -3,14 +3,17 @@ reports (tau, bandwidth, the JSON text) telling the truth."""
 import json
 import math
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import generate
 import train_draft
-from conftest import (SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
+from conftest import (ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
                       scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
@@ -242,3 +245,81 @@ def test_head_without_matching_shapes_keeps_the_detail(checkpoints, tmp_path):
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
     with pytest.raises(EagletError, match=r"size mismatch for layer.feed_forward.w2.weight.*\[64, 80\]"):
         load_draft(tmp_path / "h" / "draft.pth", model)
+
+
+MEASURE_CONVERT = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from convert_hf_checkpoint import convert
+
+def anon_kb():  # memory the process owns (mapped files, which the kernel can drop, are not counted)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+base, peak, done = anon_kb(), [0], []
+def watch():
+    while not done:
+        peak[0] = max(peak[0], anon_kb())
+        time.sleep(0.002)
+thread = threading.Thread(target=watch)
+thread.start()
+convert(sys.argv[2])
+done.append(1)
+thread.join()
+print("peak_kb", peak[0] - base)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_conversion_shows_progress_and_holds_about_one_layer(tmp_path):
+    """A 4-shard, 8-layer checkpoint of 138 MB: progress per shard and per layer, and the converter's own
+    memory stays far below the model's size (a converter that loads everything needs all of it)."""
+    from safetensors.torch import save_file
+    hidden, inter, layers, vocab = 512, 2048, 8, 1000
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "vocab_size": vocab,
+         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 8,
+         "num_key_value_heads": 8, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}))
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, hidden),
+              "self_attn.v_proj": (hidden, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    weight_map = {}
+    for s in range(4):
+        shard = {f"model.layers.{i}.{n}.weight": torch.randn(shape) for i in (2 * s, 2 * s + 1) for n, shape in shapes.items()}
+        shard.update({f"model.layers.{i}.{n}.weight": torch.rand(hidden) for i in (2 * s, 2 * s + 1)
+                      for n in ("input_layernorm", "post_attention_layernorm")})
+        if s == 3:
+            shard.update({"model.embed_tokens.weight": torch.randn(vocab, hidden), "model.norm.weight": torch.rand(hidden),
+                          "lm_head.weight": torch.randn(vocab, hidden)})
+        name = f"model-{s + 1:05d}-of-00004.safetensors"
+        save_file(shard, str(tmp_path / name))
+        weight_map.update({k: name for k in shard})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    total_kb = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) / 1024
+
+    proc = subprocess.run([sys.executable, "-c", MEASURE_CONVERT, str(ROOT), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert [l for l in lines if l.startswith("reading shard")] == [
+        f"reading shard {s}/4: model-{s:05d}-of-00004.safetensors" for s in range(1, 5)]
+    assert [l for l in lines if l.startswith("converting layer")] == [f"converting layer {i}/8" for i in range(1, 9)]
+    peak_kb = int(lines[-1].split()[1])
+    assert peak_kb < 0.5 * total_kb, (peak_kb, total_kb)
+    from safetensors.torch import load_file
+    converted = torch.load(tmp_path / "model.pth", weights_only=True)
+    layer5 = load_file(str(tmp_path / "model-00003-of-00004.safetensors"))
+    assert torch.equal(converted["layers.5.attention.wqkv.weight"], torch.cat(
+        [layer5[f"model.layers.5.self_attn.{p}_proj.weight"] for p in "qkv"]))
+
+
+def test_make_demo_never_overwrites_a_demo(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "model.pth").write_bytes(b"a demo that must stay")
+    for argv, says in ((["--out_dir", str(tmp_path)], "already holds a demo; --overwrite replaces it"),
+                       (["--out_dir", str(tmp_path / "empty"), "--only_head3"], "--only_head3 needs a demo")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo.py"), *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["model.pth", "target"]
+    assert (tmp_path / "target" / "model.pth").read_bytes() == b"a demo that must stay"
