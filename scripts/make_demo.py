@@ -191,6 +191,8 @@ def train_head3(args, target_dir: Path, head3_dir: Path, files: list) -> dict:
     weights = torch.load(head3_dir / "draft.pth", weights_only=True)
     torch.save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
                head3_dir / "draft.pth")
+    config = json.loads((head3_dir / "config.json").read_text())
+    (head3_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}, indent=2))
     for name in ("train_state.pt", "model.safetensors"):  # demo/ stays small; draft.pth is all generate.py reads
         (head3_dir / name).unlink(missing_ok=True)
     return {"train": asdict(cfg), "feature_layers": HEAD3_FEATURE_LAYERS, "draft_vocab_size": TARGET_CONFIG["vocab_size"],

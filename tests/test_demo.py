@@ -13,7 +13,9 @@ from tokenizer import Tokenizer
 DEMO = ROOT / "demo"
 sys.path.insert(0, str(ROOT / "scripts"))
 pytestmark = pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reason="no demo/ (scripts/make_demo.py)")
-TAU_FLOOR = 4.0  # measured: 5.2 on these 12 prompts; 5.19 over 40 in demo/RECIPE.json (greedy, 60/6/10)
+# Floors well under the measured greedy tau (tokens emitted per cycle, 60/6/10): over these 12 prompts, and
+# over 40 in demo/RECIPE.json; sampling and summation order move it a little between machines.
+TAU_FLOOR = {"head": 4.0, "head3": 2.2}  # measured: head 4.91 (4.94 over 40), head3 2.69 (2.80 over 40)
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +29,19 @@ def demo():
     return model, load_draft(DEMO / "head" / "draft.pth", model), prompts
 
 
-def test_demo_greedy_is_lossless_and_tau_stays_above_the_floor(demo):
-    model, draft, prompts = demo
+@pytest.mark.parametrize("head", ["head", "head3"])
+def test_demo_greedy_is_lossless_and_tau_stays_above_the_floor(demo, head):
+    model, _, prompts = demo
+    draft = load_draft(DEMO / head / "draft.pth", model)
     lengths = []
     for prompt in prompts:
         spec = generate(model, prompt, 64, SamplingConfig(), draft=draft)
         assert spec.tokens == generate(model, prompt, 64, SamplingConfig()).tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
-    recorded = json.loads((DEMO / "RECIPE.json").read_text())["held_out"]["greedy"]["tau"]
-    print(f"demo greedy tau on held-out code: {tau:.2f} (recorded at build time over more prompts: {recorded})")
-    assert tau >= TAU_FLOOR
+    recorded = json.loads((DEMO / "RECIPE.json").read_text())["held_out"][head]["greedy"]["tau"]
+    print(f"demo/{head} greedy tau on held-out code: {tau:.2f} (recorded at build time over 40 prompts: {recorded})")
+    assert tau >= TAU_FLOOR[head]
 
 
 def test_demo_sampling_runs(demo):
