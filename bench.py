@@ -13,15 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from draft import EagleDraft
-from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, cli_parser, commit,
-                      compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand, generate, int_flag,
-                      load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify, weight_bytes)
-from model import EagletError, ModelArgs, Transformer
-from tokenizer import Tokenizer
-from train_draft import read_questions
+from cli import PRECISION_NAMES, cli_parser, int_flag
 
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -35,6 +27,51 @@ SHAPES = {  # Hugging Face config fields of well-known models, for random-weight
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0),
 }
+
+
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
+    p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape (no checkpoint needed)")
+    p.add_argument("--checkpoint_path", type=Path, help="a converted target (model.pth)")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="its draft.pth (else a random head of its shape)")
+    p.add_argument("--tokenizer", type=Path, help="for --eval with --model: a tokenizer file or folder")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
+    p.add_argument("--depth", type=int_flag(1), default=6, help="draft tree expansion steps")
+    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
+    p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
+    p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
+    p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated in the side-by-side run")
+    p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
+    p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files")
+    p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
+    p.add_argument("--max_seq_length", type=int_flag(1), default=2048, help="size of the KV caches")
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="writes OUT.json and OUT.md")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT.json and OUT.md if they exist")
+    args = p.parse_args(argv)
+    if (args.model is None) == (args.checkpoint_path is None):
+        p.error("give exactly one of --model and --checkpoint_path")
+    if args.eval and not args.eval.is_dir():
+        p.error(f"--eval {args.eval} is not a folder")
+    if args.eval and args.model and not args.tokenizer:
+        p.error("--eval with --model needs --tokenizer (random weights come with none)")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
+
+import torch  # noqa: E402
+
+from draft import EagleDraft  # noqa: E402
+from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, commit,  # noqa: E402
+                      compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand, generate,
+                      load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify, weight_bytes)
+from model import EagletError, ModelArgs, Transformer  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+from train_draft import read_questions  # noqa: E402
 
 
 def random_module(module_cls, args, device, dtype, **kwargs):
@@ -93,8 +130,6 @@ def timed(fn, repeats: int, device):
 
 
 GREEDY = SamplingConfig()
-
-
 START_PROMPT = 128  # the context of the timed steps and cycles
 
 
@@ -306,43 +341,16 @@ def git_commit() -> str:
         return "unknown"
 
 
-def parse_args(argv=None):
-    p = cli_parser(__doc__)
-    p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape (no checkpoint needed)")
-    p.add_argument("--checkpoint_path", type=Path, help="a converted target (model.pth)")
-    p.add_argument("--draft_checkpoint_path", type=Path, help="its draft.pth (else a random head of its shape)")
-    p.add_argument("--tokenizer", type=Path, help="for --eval with --model: a tokenizer file or folder")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
-    p.add_argument("--depth", type=int_flag(1), default=6, help="draft tree expansion steps")
-    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
-    p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
-    p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
-    p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated in the side-by-side run")
-    p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
-    p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files")
-    p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
-    p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
-    p.add_argument("--max_seq_length", type=int_flag(1), default=2048, help="size of the KV caches")
-    p.add_argument("--out", type=Path, default=Path("bench_results"), help="writes OUT.json and OUT.md")
-    args = p.parse_args(argv)
-    if (args.model is None) == (args.checkpoint_path is None):
-        p.error("give exactly one of --model and --checkpoint_path")
-    if args.eval and not args.eval.is_dir():
-        p.error(f"--eval {args.eval} is not a folder")
-    if args.eval and args.model and not args.tokenizer:
-        p.error("--eval with --model needs --tokenizer (random weights come with none)")
-    try:
-        scratch = TreeConfig(args.depth, args.tree_topk, args.total_tokens).scratch
-    except EagletError as e:
-        p.error(str(e))
-    prompt = max(64 + args.side_tokens, START_PROMPT)
+def check_lengths(args, tree: TreeConfig):
+    """The longest run, and the tree's scratch, within --max_seq_length."""
+    prompt, scratch = max(64 + args.side_tokens, START_PROMPT), tree.scratch
     if args.max_seq_length < prompt + scratch:
-        p.error(f"--max_seq_length {args.max_seq_length} is below the longest run ({prompt} tokens: {START_PROMPT} "
-                f"for the timings, 64 + --side_tokens for the side by side) + tree scratch ({scratch}) = "
-                f"{prompt + scratch}")
-    return args
+        raise EagletError(f"--max_seq_length {args.max_seq_length} is below the longest run ({prompt} tokens: "
+                          f"{START_PROMPT} for the timings, 64 + --side_tokens for the side by side) + tree scratch "
+                          f"({scratch}) = {prompt + scratch}")
+    if args.eval and args.max_new_tokens + scratch >= args.max_seq_length:
+        raise EagletError(f"--eval: max_new_tokens ({args.max_new_tokens}) + tree scratch ({scratch}) leaves no room "
+                          f"for a prompt in --max_seq_length {args.max_seq_length}")
 
 
 def load_models(args, device: str):
@@ -360,6 +368,8 @@ def load_models(args, device: str):
 def main(argv=None):
     args = parse_args(argv)
     try:
+        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+        check_lengths(args, tree)
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         if not args.out.parent.is_dir():
@@ -369,9 +379,11 @@ def main(argv=None):
                 raise EagletError(f"--out {args.out}: cannot make its folder: {e.strerror}")
             print(f"made the folder {args.out.parent} for --out")
         for suffix in (".json", ".md"):  # before the long work, not after it
+            if args.out.with_suffix(suffix).exists() and not args.overwrite:
+                raise EagletError(f"--out: {args.out.with_suffix(suffix)} exists; give another --out, or --overwrite")
             check_writable(args.out.with_suffix(suffix), "--out")
-        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
         torch.manual_seed(0)
+
         target, draft = load_models(args, device)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
@@ -391,6 +403,8 @@ def main(argv=None):
         results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf)
         if args.eval:
             tokenizer = Tokenizer(args.tokenizer or args.checkpoint_path.parent)
+            print(f"chat template: {tokenizer.chat_template_source}")
+            results["setup"]["chat_template"] = tokenizer.chat_template_source
             print(f"evaluating on {args.eval}", flush=True)
             results["eval"] = run_eval(target, draft, tree, tokenizer, load_questions(args.eval, args.questions),
                                        args.max_new_tokens, step_fns)

@@ -8,17 +8,30 @@ or an EAGLE-1/2 or EAGLE-3 draft head folder into DIR/draft.pth; which one it is
 The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.
 """
 import json
+import os
 import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError, safe_open
+from cli import cli_parser
 
-from draft import head_args, head_kind
-from generate import cli_parser
-from model import EagletError, ModelArgs, load_state_dict, read_config
+
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
+    p.add_argument("--checkpoint_dir", required=True, type=Path,
+                   help="Hugging Face checkpoint folder (config.json and the weights)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
+
+import torch  # noqa: E402
+from safetensors import SafetensorError, safe_open  # noqa: E402
+
+from draft import head_args, head_kind  # noqa: E402
+from model import EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -226,7 +239,8 @@ def convert(checkpoint_dir, log=print) -> Path:
                 convert_fn = convert_eagle3_head if eagle3 else convert_head
                 out_path, state_dict = checkpoint_dir / "draft.pth", convert_fn(checkpoint_dir, config, weights)
             log(f"writing {out_path}")
-            torch.save(state_dict, out_path)
+            torch.save(state_dict, Path(tmp_dir) / out_path.name)
+            os.replace(Path(tmp_dir) / out_path.name, out_path)  # an interrupted write leaves the old file whole
     except SafetensorError as e:  # a shard that is truncated or corrupt shows when its tensors are read
         raise EagletError(f"cannot read the weights in {checkpoint_dir}: {e}")
     except OSError as e:
@@ -235,10 +249,7 @@ def convert(checkpoint_dir, log=print) -> Path:
 
 
 def main(argv=None):
-    parser = cli_parser(__doc__)
-    parser.add_argument("--checkpoint_dir", required=True, type=Path,
-                        help="Hugging Face checkpoint folder (config.json and the weights)")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
         out_path = convert(args.checkpoint_dir)
     except EagletError as e:

@@ -3,10 +3,8 @@
     python generate.py --checkpoint_path checkpoints/meta-llama/Llama-2-7b-chat-hf/model.pth \\
         --prompt "Hello, my name is" --compile
 """
-import argparse
 import json
 import math
-import re
 import resource
 import sys
 import time
@@ -16,15 +14,86 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-from torch import Tensor
+from cli import PRECISION_NAMES, cli_parser, int_flag, float_flag, utf8_text
 
-from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab
-from model import EagletError, Transformer, attention_mask, causal_mask
-from tokenizer import Tokenizer
-
-PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_PROMPT = "def read_lines(path):\n"  # where the small demo model writes plausible code for a while
+DEMO_MAX_NEW_TOKENS = 60
+
+
+def total_tokens_flag(text: str):
+    return text if text == "auto" else int_flag(2)(text)
+
+
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head: switches to speculative decoding")
+    p.add_argument("--draft_vocab", default=None,
+                   help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
+                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
+    p.add_argument("--no_draft", action="store_true",
+                   help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
+    p.add_argument("--depth", type=int_flag(1), default=None,
+                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads)")
+    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
+    p.add_argument("--total_tokens", type=total_tokens_flag, default=60,
+                   help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
+    p.add_argument("--prompt", type=utf8_text, default=None,
+                   help=f"the prompt (default: {DEMO_PROMPT!r})")
+    p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
+                   help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
+    p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
+    p.add_argument("--top_p", type=float_flag(0, 1), default=1.0, help="nucleus sampling: keep this much mass")
+    p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
+    p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat_template", default="auto",
+                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2 or vicuna")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
+    p.add_argument("--max_seq_length", type=int_flag(1), default=None,
+                   help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
+    p.add_argument("--json_out", type=Path, default=None,
+                   help="write prompt_tokens, tokens, text, tokens_per_s, accept_lengths, cycles as JSON")
+    args = p.parse_args(argv)
+    args.demo = args.checkpoint_path is None
+    if args.demo:  # a small code model and its head, shipped in demo/
+        if not (DEMO_DIR / "target" / "model.pth").is_file():
+            p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
+        if args.chat or args.interactive:
+            p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
+                    "chat model (--checkpoint_path)")
+        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
+        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
+    if args.system is not None and not (args.chat or args.interactive):
+        p.error("--system needs --chat or --interactive")
+    if args.interactive and args.json_out:
+        p.error("--json_out records one generation; --interactive has many (give a --prompt instead)")
+    if args.no_draft:
+        args.draft_checkpoint_path = None
+    args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
+
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab  # noqa: E402
+from model import EagletError, Transformer, attention_mask, causal_mask  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 
 
 @dataclass
@@ -473,15 +542,20 @@ def read_turn() -> Optional[str]:
             print()
             return None
         except UnicodeDecodeError:
+            user = "\udcff"  # a strict stdin refuses the bytes itself; the check below answers both
+        try:
+            user.encode("utf-8")  # a surrogateescape stdin passes undecodable bytes on as surrogates
+        except UnicodeEncodeError:
             print("error: that line is not valid UTF-8; type it again")
             continue
         if user.strip():
             return user
 
 
-def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_room: Callable, show: Callable):
+def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_slots: int, scratch: int, show: Callable):
     """Multi-turn chat; the conversation's KV stays in the cache and only new tokens are prefilled.
-    cache_room(prompt) is how many tokens the cache still has for a reply to prompt."""
+    A reply to a prompt has the cache's slots less the prompt and the draft tree's scratch."""
+    cache_room = lambda prompt: cache_slots - scratch - len(prompt)  # noqa: E731
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages, cached = [], []
     if args.compile:
@@ -497,8 +571,9 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_room: Calla
             prompt = tokenizer.encode_chat(system + messages)
         room = cache_room(prompt)
         if room < 1:
-            print(f"error: this message makes a prompt of {len(prompt)} tokens, which leaves no room for a reply "
-                  f"in the cache; it was not sent (a larger --max_seq_length makes room)")
+            print(f"error: this message makes a prompt of {len(prompt)} tokens; with the tree scratch ({scratch}) "
+                  f"the cache ({cache_slots} slots) has no room for a reply; it was not sent "
+                  f"(a larger --max_seq_length makes room)")
             messages.pop()
             continue
         start = 0
@@ -513,49 +588,6 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_room: Calla
         show(result)
         cached = prompt + result.tokens[:-1]  # the last token was sampled but never fed back
         messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens)})
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The module docstring as written, and every flag's default after its help line."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or "") or action.default is None or action.default is False:
-            return action.help
-        return f"{action.help or ''} (default: {action.default})"
-
-
-def cli_parser(doc: str) -> argparse.ArgumentParser:
-    """The tools' argument parser: --help shows every default; a usage mistake ends with one line,
-    'error: ...', and exit status 1, like every other mistake."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
-    return p
-
-
-def int_flag(low: int = 0, high: int = 2 ** 63 - 1) -> Callable:
-    """An argparse type: an integer in ASCII digits between low and high."""
-    def parse(text: str) -> int:
-        if not re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip()):
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if not low <= int(text) <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {int(text)}")
-        return int(text)
-    return parse
-
-
-def float_flag(low: float = 0.0, high: float = math.inf) -> Callable:
-    """An argparse type: a finite number (ASCII) between low and high."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text) if text.isascii() else math.nan
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
-        return value
-    return parse
 
 
 def check_writable(path: Path, what: str):
@@ -583,79 +615,6 @@ def write_output(path: Path, text: str):
         raise EagletError(f"cannot write {path}: {e.strerror}")
 
 
-def utf8_text(text: str) -> str:
-    """argv holds undecodable bytes as surrogates; refuse them here rather than deep in a tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError("is not valid UTF-8 text")
-    return text
-
-
-def total_tokens_flag(text: str):
-    return text if text == "auto" else int_flag(2)(text)
-
-
-DEMO_PROMPT = "def read_lines(path):\n"  # where the small demo model writes plausible code for a while
-DEMO_MAX_NEW_TOKENS = 60
-
-
-def parse_args(argv=None):
-    p = cli_parser(__doc__)
-    p.add_argument("--checkpoint_path", type=Path, default=None,
-                   help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
-    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head: switches to speculative decoding")
-    p.add_argument("--draft_vocab", default=None,
-                   help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
-                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
-    p.add_argument("--no_draft", action="store_true",
-                   help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
-    p.add_argument("--depth", type=int_flag(1), default=None,
-                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads)")
-    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
-    p.add_argument("--total_tokens", type=total_tokens_flag, default=60,
-                   help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
-    p.add_argument("--prompt", type=utf8_text, default=None,
-                   help=f"the prompt (default: {DEMO_PROMPT!r})")
-    p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
-    p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
-                   help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
-    p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
-    p.add_argument("--top_p", type=float_flag(0, 1), default=1.0, help="nucleus sampling: keep this much mass")
-    p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
-    p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
-    p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--chat_template", default="auto",
-                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2 or vicuna")
-    p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
-    p.add_argument("--max_seq_length", type=int_flag(1), default=None,
-                   help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
-    p.add_argument("--json_out", type=Path, default=None,
-                   help="write prompt_tokens, tokens, text, tokens_per_s, accept_lengths, cycles as JSON")
-    args = p.parse_args(argv)
-    args.demo = args.checkpoint_path is None
-    if args.demo:  # a small code model and its head, shipped in demo/
-        if not (DEMO_DIR / "target" / "model.pth").is_file():
-            p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
-        if args.chat or args.interactive:
-            p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
-                    "chat model (--checkpoint_path)")
-        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
-        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
-    if args.system is not None and not (args.chat or args.interactive):
-        p.error("--system needs --chat or --interactive")
-    if args.no_draft:
-        args.draft_checkpoint_path = None
-    args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
-    args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
-    return args
-
-
 def configs(args, draft: Optional[DraftHead] = None):
     """SamplingConfig and TreeConfig from the flags (the depth by default the head's); with --total_tokens
     auto, the tree sized for its largest candidate (the cache is sized for it; the size itself is picked
@@ -672,7 +631,11 @@ def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int)
     """--max_seq_length, or what this run needs; a total over the model's limit names its parts."""
     limit = model.args.max_position_embeddings
     if args.max_seq_length or prompt is None:
-        return args.max_seq_length or min(4096, limit)
+        size = args.max_seq_length or min(4096, limit)
+        if prompt is None and size < scratch + 16:  # --interactive: room for a short turn and its reply
+            raise EagletError(f"--max_seq_length {size} leaves no room for a conversation beside the tree scratch "
+                              f"({scratch}): give at least {scratch + 16}")
+        return size
     need = len(prompt) + args.max_new_tokens + scratch
     if need > limit:
         raise EagletError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens})"
@@ -735,7 +698,7 @@ def main(argv=None):
         show = partial(report, model=model, device=args.device, draft=draft, tree=tree)
         if args.interactive:
             scratch = tree.scratch if draft is not None else 0
-            run_interactive(args, gen, tokenizer, lambda p: model.max_seq_length - scratch - len(p), show)
+            run_interactive(args, gen, tokenizer, model.max_seq_length, scratch, show)
         else:
             run_once(args, gen, tokenizer, prompt, show)
     except EagletError as e:

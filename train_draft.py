@@ -23,16 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
-
-from convert_hf_checkpoint import export_layer
-from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args
-from generate import (SamplingConfig, check_writable, cli_parser, float_flag, generate, int_flag, load_target,
-                      pick_device)
-from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config
-from tokenizer import Tokenizer
+from cli import cli_parser, float_flag, int_flag
 
 
 @dataclass
@@ -58,8 +49,54 @@ class TrainConfig:
         bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
         bad += [f"{k} must be above 0" for k in ("lr", "grad_clip", "step_decay")
                 if not 0 < getattr(self, k) < math.inf]
+        bad += ["unroll_steps must be below seq_len"] if self.unroll_steps >= self.seq_len else []
         if bad or not all(math.isfinite(v) for v in asdict(self).values()):
             raise EagletError(f"training settings out of range: {', '.join(bad) or 'values must be finite'}")
+
+
+def parse_args(argv=None):
+    p = cli_parser(__doc__)
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
+    p.add_argument("--data", nargs="+", required=True, help="text files and/or FastChat .jsonl question files")
+    p.add_argument("--out_dir", type=Path, required=True, help="where the head (and train_state.pt) go")
+    p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
+    p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
+    p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    p.add_argument("--head", choices=["eagle", "eagle3"], default="eagle", help="EAGLE-1/2 or EAGLE-3 head")
+    p.add_argument("--feature_layers", type=int_flag(1), nargs=3, default=None,
+                   help="EAGLE-3: the target layers whose input the head reads (default: 2, L//2, L-3; "
+                        "L: the last layer's output)")
+    helps = {"steps": "optimizer steps", "batch_size": "sequences per step",
+             "seq_len": "tokens per sequence: text is cut into pieces this long, conversations truncated",
+             "lr": "peak learning rate (AdamW)", "warmup": "steps of linear warm-up; then a cosine decay to 0.1 x lr",
+             "weight_decay": "AdamW weight decay", "grad_clip": "gradient norm clipped to this",
+             "seed": "seed for the head's initialisation, batch order and noise",
+             "noise": "EAGLE-1/2: uniform noise on the input features, +-noise x their RMS",
+             "ce_weight": "EAGLE-1/2: weight of the cross-entropy against the target's predictions",
+             "save_every": "steps between train_state.pt saves",
+             "unroll_steps": "EAGLE-3: steps of the training-time test (the head unrolled on its own outputs)",
+             "step_decay": "EAGLE-3: the loss of unrolled step j weighs step_decay^j",
+             "draft_vocab_size": "EAGLE-3: the draft vocabulary, the most frequent tokens of the data; "
+                                 "0: 32000, or the whole vocabulary if smaller"}
+    for name, value in asdict(TrainConfig()).items():
+        flag = int_flag(0) if isinstance(value, int) else float_flag(0)
+        p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from convert_hf_checkpoint import export_layer  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args  # noqa: E402
+from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
+from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 
 def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
@@ -465,32 +502,6 @@ def save_head(head: DraftHead, config: dict, out_dir: Path):
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def parse_args(argv=None):
-    p = cli_parser(__doc__)
-    p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
-    p.add_argument("--data", nargs="+", required=True, help="text files and/or FastChat .jsonl question files")
-    p.add_argument("--out_dir", type=Path, required=True, help="where the head (and train_state.pt) go")
-    p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
-    p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
-    p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--head", choices=["eagle", "eagle3"], default="eagle", help="EAGLE-1/2 or EAGLE-3 head")
-    p.add_argument("--feature_layers", type=int_flag(1), nargs=3, default=None,
-                   help="EAGLE-3: the target layers whose input the head reads (default: 2, L//2, L-3; "
-                        "L: the last layer's output)")
-    helps = {"noise": "EAGLE-1/2: uniform noise on the input features, +-noise x their RMS",
-             "ce_weight": "EAGLE-1/2: weight of the cross-entropy against the target's predictions",
-             "save_every": "steps between train_state.pt saves",
-             "unroll_steps": "EAGLE-3: steps of the training-time test (the head unrolled on its own outputs)",
-             "step_decay": "EAGLE-3: the loss of unrolled step j weighs step_decay^j",
-             "draft_vocab_size": "EAGLE-3: the draft vocabulary, the most frequent tokens of the data; "
-                                 "0: 32000, or the whole vocabulary if smaller"}
-    for name, value in asdict(TrainConfig()).items():
-        flag = int_flag(0) if isinstance(value, int) else float_flag(0)
-        p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
-    return p.parse_args(argv)
-
-
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -505,6 +516,8 @@ def main(argv=None):
         check_lengths(target, cfg, args.max_new_tokens if args.self_distill else 0)
         check_head_flags(args, cfg, target)
         tokenizer = Tokenizer(args.checkpoint_path.parent)
+        if any(str(path).endswith(".jsonl") for path in args.data):
+            print(f"chat template: {tokenizer.chat_template_source}")
         reply_fn = None
         if args.self_distill:
             target.setup_caches(1, cfg.seq_len + args.max_new_tokens + 8)

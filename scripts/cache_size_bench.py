@@ -3,27 +3,50 @@ eager, CPU): with attention over the filled slots only the two cost the same; ov
 
     python scripts/cache_size_bench.py
 """
-import sys, time, torch
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-import bench
-from generate import decode_one_token, SamplingConfig
-from model import ModelArgs, Transformer
-torch.manual_seed(0)
-cfg = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-           num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192)
-target = bench.random_module(Transformer, ModelArgs.from_hf_config(cfg), "cpu", torch.float32)
-G = SamplingConfig()
-tok, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([256])
-res = {}
-for size in (512, 8192):
-    target.setup_caches(1, size)
-    for name, kw in (("filled (eager default)", {"filled": 257}), ("whole cache (before)", {})):
-        with torch.no_grad():
-            for _ in range(3): decode_one_token(target, tok, pos, G, **kw)
-            ts = []
-            for _ in range(30):
-                t = time.perf_counter(); decode_one_token(target, tok, pos, G, **kw); ts.append(time.perf_counter() - t)
-        ts.sort(); res[(size, name)] = ts[len(ts)//2] * 1e3
-for k, v in res.items(): print(k, f"{v:.2f} ms (median of 30)")
-for name in ("filled (eager default)", "whole cache (before)"):
-    print(name, "8192/512 =", f"{res[(8192, name)] / res[(512, name)]:.3f}")
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli import cli_parser  # noqa: E402
+
+if __name__ == "__main__":
+    cli_parser(__doc__).parse_args()  # no flags: --help answers before torch's import
+
+import torch  # noqa: E402
+
+import bench  # noqa: E402
+from generate import SamplingConfig, decode_one_token  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+CONFIG = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192)
+WAYS = {"filled (eager default)": {"filled": 257}, "whole cache (before)": {}}
+
+
+def median_step_ms(target: Transformer, **kwargs) -> float:
+    token, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([256])
+    times = []
+    with torch.no_grad():
+        for i in range(33):  # 3 warm-up steps
+            t0 = time.perf_counter()
+            decode_one_token(target, token, pos, SamplingConfig(), **kwargs)
+            times += [time.perf_counter() - t0] if i >= 3 else []
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main():
+    torch.manual_seed(0)
+    target = bench.random_module(Transformer, ModelArgs.from_hf_config(CONFIG), "cpu", torch.float32)
+    ms = {}
+    for size in (512, 8192):
+        target.setup_caches(1, size)
+        for name, kwargs in WAYS.items():
+            ms[size, name] = median_step_ms(target, **kwargs)
+            print(f"{size} slots, {name}: {ms[size, name]:.2f} ms (median of 30)")
+    for name in WAYS:
+        print(f"{name}: 8192 / 512 slots = {ms[8192, name] / ms[512, name]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,13 +10,13 @@ vocabulary, so the output is unchanged (lossless). generate.py picks up draft_vo
 --data takes text files, FastChat question files (.jsonl: turns and references are counted) and folders
 (every file under them). The EOS tokens are always kept.
 """
-import argparse
 import json
 import sys
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cli import cli_parser, int_flag  # noqa: E402
 from model import EagletError  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -74,17 +74,14 @@ def most_frequent(counts: Counter, size: int, always: set) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
+    p = cli_parser(__doc__)
     p.add_argument("--tokenizer", type=Path, required=True,
                    help="the target's checkpoint folder, or its tokenizer.json / tokenizer.model")
     p.add_argument("--data", nargs="+", required=True, help="text files, FastChat .jsonl files, folders")
-    p.add_argument("--size", type=int, default=32000, help="tokens to keep (default 32000)")
+    p.add_argument("--size", type=int_flag(1), default=32000, help="tokens to keep")
     p.add_argument("--out", type=Path, required=True, help="the JSON file to write, e.g. HEAD_DIR/draft_vocab.json")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = p.parse_args(argv)
-    if args.size < 1:
-        p.error(f"--size must be at least 1, got {args.size}")
     if args.out.exists() and not args.overwrite:
         p.error(f"{args.out} exists (--overwrite replaces it)")
     if not args.out.parent.is_dir():

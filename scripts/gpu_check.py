@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import generate  # noqa: E402
-from generate import PRECISIONS, SamplingConfig, TreeConfig, cli_parser, int_flag, pick_device  # noqa: E402
+from cli import cli_parser, int_flag  # noqa: E402
+from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate  # noqa: E402
 from model import EagletError, block_mask, causal_mask, attention_mask, sdpa_inputs  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -222,9 +223,12 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
+        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
         device = pick_device(args.device)
         if not (DEMO_DIR / "target" / "model.pth").is_file():
             raise EagletError(f"no demo in {DEMO_DIR}")
+        if any((args.out / name).exists() for name in ("results.json", "results.md")):
+            raise EagletError(f"--out {args.out} already holds results; give a new folder")
         args.out.mkdir(parents=True, exist_ok=True)
         generate.check_writable(args.out / "results.json", "--out")
     except (EagletError, OSError) as e:
@@ -241,7 +245,6 @@ def main(argv=None):
     small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, dtype)
     small.setup_caches(1, 1024)
     small_draft.setup_caches(1024)
-    tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     report.section("attention kernels (reduced shape)", attention_backends, small, small_draft, tree)
     report.section("compiled vs eager (reduced shape)", compiled_vs_eager, small, small_draft, tree, prompt, 48)
     if not args.quick:

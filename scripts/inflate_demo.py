@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draft import EagleDraft  # noqa: E402
-from generate import PRECISIONS, cli_parser, load_draft, load_target, pick_device  # noqa: E402
+from cli import cli_parser  # noqa: E402
+from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
 from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from convert_hf_checkpoint import convert  # noqa: E402
-from generate import SamplingConfig, TreeConfig, cli_parser, generate, int_flag, load_draft, load_target  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from cli import cli_parser, int_flag  # noqa: E402
+from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target  # noqa: E402
+from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import TrainConfig, batches, causal, lr_at, train  # noqa: E402
 
@@ -199,7 +200,7 @@ def train_head3(args, target_dir: Path, head3_dir: Path, files: list) -> dict:
             "threads": torch.get_num_threads(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def main():
+def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/, head3/ and RECIPE.json go")
     p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
@@ -212,33 +213,38 @@ def main():
     p.add_argument("--head3_seq_len", type=int_flag(2), default=HEAD3_SEQ_LEN,
                    help="EAGLE-3 head training sequence length (each step is unrolled 7 times)")
     p.add_argument("--batch_size", type=int_flag(1), default=16, help="training batch size")
-    args = p.parse_args()
-    target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
-    recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
-    files = stdlib_files(held_out=False)
-    if args.only_head3:
-        if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
-            p.error(f"--only_head3 needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
-        recipe = json.loads(recipe_path.read_text())
-    else:
-        if (target_dir / "model.pth").exists() and not args.overwrite:
-            p.error(f"{args.out_dir} already holds a demo; --overwrite replaces it (--only_head3 keeps its target)")
-        target_dir.mkdir(parents=True, exist_ok=True)
-        recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-                  "python": platform.python_version()}
-        build_target_and_head(args, target_dir, head_dir, files, recipe)
-    recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
-    print(f"head3: {recipe['head3']['seconds']} s")
+    args = p.parse_args(argv)
+    try:
+        target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
+        recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
+        files = stdlib_files(held_out=False)
+        if args.only_head3:
+            if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
+                p.error(f"--only_head3 needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
+            recipe = json.loads(recipe_path.read_text())
+        else:
+            if (target_dir / "model.pth").exists() and not args.overwrite:
+                p.error(f"{args.out_dir} already holds a demo; --overwrite replaces it (--only_head3 keeps its target)")
+            target_dir.mkdir(parents=True, exist_ok=True)
+            recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+                      "python": platform.python_version()}
+            build_target_and_head(args, target_dir, head_dir, files, recipe)
+        recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
+        print(f"head3: {recipe['head3']['seconds']} s")
 
-    print("measuring tau on the held-out modules", flush=True)
-    depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
-    recipe["held_out"] = {"modules": HELD_OUT, "tree": asdict(TreeConfig()), "head": measure_tau(target_dir, head_dir),
-                          "head3": measure_tau(target_dir, head3_dir),
-                          "head3_depth7": measure_tau(target_dir, head3_dir, tree=depth7)}
-    if not args.only_head3:
-        recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    recipe_path.write_text(json.dumps(recipe, indent=2))
-    print(json.dumps(recipe["held_out"], indent=2))
+        print("measuring tau on the held-out modules", flush=True)
+        depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
+        recipe["held_out"] = {"modules": HELD_OUT, "tree": asdict(TreeConfig()), "head": measure_tau(target_dir, head_dir),
+                              "head3": measure_tau(target_dir, head3_dir),
+                              "head3_depth7": measure_tau(target_dir, head3_dir, tree=depth7)}
+        if not args.only_head3:
+            recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
+        recipe_path.write_text(json.dumps(recipe, indent=2))
+        print(json.dumps(recipe["held_out"], indent=2))
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:  # an out_dir that cannot be written
+        sys.exit(f"error: {e.filename or args.out_dir}: {e.strerror or e}")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,11 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "prompt not UTF-8": ("generate", lambda w: gen(w, "--prompt", "w1 \udcff"), "not valid UTF-8"),
     "system without chat": ("generate", lambda w: gen(w, "--system", "be brief"), "--system needs --chat"),
     "demo with chat": ("generate", lambda w: ["--chat"], "no chat template"),
+    "interactive with json_out": ("generate", lambda w: gen(w, "--interactive", "--json_out", str(w.root / "i.json")),
+                                  "--json_out records one generation"),
+    "interactive cache within the scratch": ("generate", lambda w: gen(w, "--interactive", "--max_seq_length", "64",
+                                                                       "--draft_checkpoint_path", str(w.head)),
+                                             "leaves no room for a conversation beside the tree scratch (60)"),
     "convert usage": ("convert", lambda w: [], "the following arguments are required: --checkpoint_dir"),
     "convert config not JSON": ("convert", lambda w: ["--checkpoint_dir", str(w.not_json.parent)], "not valid JSON"),
     "convert config wrong type": ("convert", lambda w: ["--checkpoint_dir", str(w.bad_type.parent)],
@@ -148,6 +153,11 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "bench tree past the cache": ("bench", lambda w: ["--model", "tiny", "--depth", "300"], "+ tree scratch (3000) = 3192"),
     "bench cache beyond memory": ("bench", lambda w: ["--model", "tiny", "--max_seq_length", str(10 ** 11)],
                                   "does not fit in memory"),
+    "bench results exist": ("bench", lambda w: ["--model", "tiny", "--out", str(w.root / "a_dir")], "a_dir.json exists"),
+    "bench eval without room": ("bench", lambda w: ["--model", "tiny", "--eval", str(w.root), "--tokenizer",
+                                                    str(w.good.parent), "--max_new_tokens", "2000"],
+                                "max_new_tokens (2000) + tree scratch (60) leaves no room"),
+    "unroll_steps past seq_len": ("train", lambda w: train(w, "--unroll_steps", "16"), "unroll_steps must be below seq_len"),
     "bench eval missing": ("bench", lambda w: ["--model", "tiny", "--eval", str(w.root / "nope")], "not a folder"),
     "bench eval without tokenizer": ("bench", lambda w: ["--model", "tiny", "--eval", str(w.root)], "--tokenizer"),
     "download bad repo id": ("download", lambda w: ["--repo_id", "../etc"], "org/name"),
@@ -191,3 +201,16 @@ def test_a_diverged_training_saves_nothing(w):
     saved = torch.load(w.root / "diverged_saves" / "train_state.pt", weights_only=True)
     assert saved["step"] >= 1 and all(torch.isfinite(t).all() for t in saved["head"].values())
     assert not (w.root / "diverged_saves" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("tool", ["generate.py", "bench.py", "train_draft.py", "convert_hf_checkpoint.py"])
+def test_help_and_usage_mistakes_answer_before_torch_is_imported(tool):
+    """--help lists every flag with its default without the seconds torch's import takes (-X importtime
+    names every module a process imports)."""
+    for argv, rc in ((["--help"], 0), (["--no_such_flag"], 1)):
+        proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / tool), *argv], capture_output=True,
+                              text=True, timeout=120)
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+        assert proc.returncode == rc and "torch" not in imported and "cli" in imported, proc.stderr[-500:]
+    assert "usage:" in subprocess.run([sys.executable, str(ROOT / tool), "--help"], capture_output=True,
+                                      text=True, timeout=120).stdout

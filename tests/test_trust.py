@@ -230,10 +230,12 @@ def test_interactive_quits_quietly_and_answers_a_turn_too_long_for_the_history(c
     out = capsys.readouterr().out
     assert "Ctrl-D (or Ctrl-C) quits" in out and out.count("Assistant:") == 2
     assert "starting a new one with this message" in out
-    monkeypatch.setattr("builtins.input", scripted_input([" ".join(["w1"] * 80)]))
+    monkeypatch.setattr("builtins.input", scripted_input([" ".join(["w1"] * 80), "w1 \udcff w2", "w3"]))
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--device", "cpu",
-                   "--max_seq_length", "64"])
-    assert "it was not sent" in capsys.readouterr().out
+                   "--max_seq_length", "64", "--max_new_tokens", "4"])
+    out = capsys.readouterr().out  # the long turn refused with its parts, the undecodable line asked again
+    assert "prompt of 83 tokens; with the tree scratch (0) the cache (64 slots) has no room" in out
+    assert "not valid UTF-8; type it again" in out and out.count("Assistant:") == 1
 
 
 def test_head_without_matching_shapes_keeps_the_detail(checkpoints, tmp_path):
@@ -316,7 +318,8 @@ def test_make_demo_never_overwrites_a_demo(tmp_path):
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "model.pth").write_bytes(b"a demo that must stay")
     for argv, says in ((["--out_dir", str(tmp_path)], "already holds a demo; --overwrite replaces it"),
-                       (["--out_dir", str(tmp_path / "empty"), "--only_head3"], "--only_head3 needs a demo")):
+                       (["--out_dir", str(tmp_path / "empty"), "--only_head3"], "--only_head3 needs a demo"),
+                       (["--out_dir", "/proc/eaglet_demo/x"], "error: /proc/eaglet_demo")):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo.py"), *argv], capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
