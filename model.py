@@ -9,6 +9,7 @@ listed in `feature_layers`, concatenated (EAGLE-3).
 """
 import json
 import math
+import os
 import pickle
 import zipfile
 from dataclasses import dataclass, field
@@ -264,11 +265,16 @@ def block_mask(mask: Tensor) -> BlockMask:
                                     seq_lengths=(n_q, n_kv))
 
 
+# EAGLET_FLEX=0 turns the block mask off: compiled CUDA code then attends over the whole cache, as on CPU
+# (a fallback should flex_attention fail to compile on some torch / GPU; scripts/gpu_check.py uses it so).
+FLEX_ATTENTION = os.environ.get("EAGLET_FLEX", "1") != "0"
+
+
 def compiled_mask(mask: Tensor):
     """What attention takes: inside torch.compile on CUDA a BlockMask; elsewhere the boolean mask. (Eager
     flex_attention is a slow reference, and CPU inductor's flex kernel cannot read a mask computed inside
     the graph, as the cycle's tree masks are: on CPU the compiled cycle attends over the whole cache.)"""
-    return block_mask(mask) if torch.compiler.is_compiling() and mask.is_cuda else mask
+    return block_mask(mask) if FLEX_ATTENTION and torch.compiler.is_compiling() and mask.is_cuda else mask
 
 
 class FeedForward(nn.Module):

@@ -29,6 +29,7 @@ import generate  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate  # noqa: E402
+import model  # noqa: E402
 from model import EagletError, block_mask, causal_mask, attention_mask, sdpa_inputs  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -108,7 +109,7 @@ def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> 
         if eager_mask is not None:
             row["eager"] = "SDPA " + backend_name(sdpa_inputs(*qkv(args, eager_mask.shape[0]), eager_mask))
         if compiled_mask is not None:
-            if device.type == "cuda":
+            if device.type == "cuda" and model.FLEX_ATTENTION:
                 bm = block_mask(compiled_mask)
                 read = int(bm.kv_num_blocks[0, 0].max() + bm.full_kv_num_blocks[0, 0].max())
                 row["compiled"] = f"flex_attention, {read} of {bm.kv_indices.shape[-1]} cache blocks read"
@@ -239,14 +240,21 @@ def main(argv=None):
     report = Report(args.out, args.budget_s)
     report.results["setup"] = {"command": "python " + " ".join(sys.argv if argv is None else ["scripts/gpu_check.py", *argv]),
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
-                               "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype)}
+                               "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
+                               "flex_attention": model.FLEX_ATTENTION}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
     small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, dtype)
     small.setup_caches(1, 1024)
     small_draft.setup_caches(1024)
     report.section("attention kernels (reduced shape)", attention_backends, small, small_draft, tree)
-    report.section("compiled vs eager (reduced shape)", compiled_vs_eager, small, small_draft, tree, prompt, 48)
+    checked = report.section("compiled vs eager (reduced shape)", compiled_vs_eager, small, small_draft, tree, prompt, 48)
+    if device == "cuda" and "error" in checked:  # measure the rest with the dense fallback rather than nothing
+        model.FLEX_ATTENTION = False
+        torch._dynamo.reset()
+        report.results["setup"]["flex_attention"] = "off (EAGLET_FLEX=0) after it failed in the section above"
+        report.section("compiled vs eager, dense attention (reduced shape)", compiled_vs_eager, small, small_draft,
+                       tree, prompt, 48)
     if not args.quick:
         for i, name in enumerate(args.shapes):
             report.section(f"{name} (inflated demo)", measure_shape, name, SHAPES[name], device, dtype, prompt, args,

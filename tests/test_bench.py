@@ -24,7 +24,7 @@ def test_bench_random_shape_with_transformers_side_by_side(tmp_path):
     assert "| verify |" in (tmp_path / "r.md").read_text()
 
 
-def test_bench_eval_on_question_files(checkpoints, tmp_path):
+def test_bench_eval_on_question_files(checkpoints, tmp_path, capsys):
     target, _ = checkpoints("llama2")
     head = tmp_path / "head"
     write_eagle_head(head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
@@ -40,6 +40,8 @@ def test_bench_eval_on_question_files(checkpoints, tmp_path):
                 "--out", str(tmp_path / "r")] + SMALL)
     results = json.loads((tmp_path / "r.json").read_text())
     rows = results["eval"].values()
+    task = next(iter(results["eval"]))
+    assert f"{task}: question 1/1" in capsys.readouterr().out and results["setup"]["chat_template"]  # progress
     assert sum(row["turns"] for row in rows) >= 2 and all(row["mismatches"] == [] for row in rows)
     print((tmp_path / "r.md").read_text())
 

@@ -70,6 +70,7 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
     train_draft.main(argv + ["--steps", "8"])
     out = capsys.readouterr().out
     assert "12 examples" in out and "resuming at step 5" in out and "step 8/8" in out
+    assert "q.jsonl: the target answers question 12/12" in out and "chat template: " in out  # progress, named
     convert(tmp_path / "head")
     assert (tmp_path / "head" / "draft.pth").exists()
 
