@@ -39,7 +39,7 @@ TARGET_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "
 # The EAGLE-3 head reads the target's hidden states entering these layers (4 = the last layer's output): low,
 # middle and top of the 4-layer target, as the default 2, L//2, L-3 are of a 32-layer one (here they would be 2, 2, 1).
 HEAD3_FEATURE_LAYERS = (1, 2, 4)
-HEAD3_STEPS, HEAD3_SEQ_LEN = 280, 128  # each step unrolled 7 times: about 6x an EAGLE-1/2 step's compute per token
+HEAD3_STEPS, HEAD3_SEQ_LEN = 1000, 128  # each step unrolled 7 times: about 6x an EAGLE-1/2 step's compute per token
 
 
 def stdlib_files(held_out: bool) -> list:
