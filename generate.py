@@ -8,6 +8,7 @@ import math
 import resource
 import sys
 import time
+from argparse import ArgumentTypeError
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -536,16 +537,12 @@ def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Call
 def read_turn() -> Optional[str]:
     """The user's next message; None when they quit (end of input, Ctrl-D or Ctrl-C)."""
     while True:
-        try:
-            user = input("\nUser: ")
+        try:  # undecodable bytes: a strict stdin refuses them, a surrogateescape one passes them on to utf8_text
+            user = utf8_text(input("\nUser: "))
         except (EOFError, KeyboardInterrupt):
             print()
             return None
-        except UnicodeDecodeError:
-            user = "\udcff"  # a strict stdin refuses the bytes itself; the check below answers both
-        try:
-            user.encode("utf-8")  # a surrogateescape stdin passes undecodable bytes on as surrogates
-        except UnicodeEncodeError:
+        except (UnicodeDecodeError, ArgumentTypeError):
             print("error: that line is not valid UTF-8; type it again")
             continue
         if user.strip():
