@@ -81,6 +81,11 @@ class Layout:
         return offset + head * self.big.head_dim + self.head_dims
 
 
+def put(dst: torch.Tensor, index, src: torch.Tensor):
+    """dst[index] = src, the fp32 demo numbers rounded once to the wide model's dtype on its device."""
+    dst[index] = src.to(device=dst.device, dtype=dst.dtype)
+
+
 def copy_attention(big, small, lay: Layout):
     """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim)."""
     s, b = lay.small, lay.big
@@ -88,25 +93,25 @@ def copy_attention(big, small, lay: Layout):
     w, wb = small.wqkv.weight, big.wqkv.weight
     q_scale = math.sqrt(b.head_dim / s.head_dim)
     for h, bh in enumerate(lay.q_heads.tolist()):
-        wb[lay.head_rows(bh, 0), :sd] = w[h * d:(h + 1) * d] * q_scale
-        big.wo.weight[:sd, lay.head_rows(bh, 0)] = small.wo.weight[:, h * d:(h + 1) * d]
+        put(wb, (lay.head_rows(bh, 0), slice(sd)), w[h * d:(h + 1) * d] * q_scale)
+        put(big.wo.weight, (slice(sd), lay.head_rows(bh, 0)), small.wo.weight[:, h * d:(h + 1) * d])
     k_off, v_off = s.n_head * d, (s.n_head + s.n_local_heads) * d
     bk_off, bv_off = b.n_head * b.head_dim, (b.n_head + b.n_local_heads) * b.head_dim
     for bg, g in lay.kv_source.items():
-        wb[lay.head_rows(bg, bk_off), :sd] = w[k_off + g * d:k_off + (g + 1) * d]
-        wb[lay.head_rows(bg, bv_off), :sd] = w[v_off + g * d:v_off + (g + 1) * d]
+        put(wb, (lay.head_rows(bg, bk_off), slice(sd)), w[k_off + g * d:k_off + (g + 1) * d])
+        put(wb, (lay.head_rows(bg, bv_off), slice(sd)), w[v_off + g * d:v_off + (g + 1) * d])
 
 
 def copy_mlp(big, small, lay: Layout):
     inter, big_inter, sd = lay.small.intermediate_size, lay.big.intermediate_size, lay.small.dim
     w13 = small.w13.weight
-    big.w13.weight[:inter, :sd] = w13[:inter]
-    big.w13.weight[big_inter:big_inter + inter, :sd] = w13[inter:]
-    big.w2.weight[:sd, :inter] = small.w2.weight
+    put(big.w13.weight, (slice(inter), slice(sd)), w13[:inter])
+    put(big.w13.weight, (slice(big_inter, big_inter + inter), slice(sd)), w13[inter:])
+    put(big.w2.weight, (slice(sd), slice(inter)), small.w2.weight)
 
 
 def copy_norm(big, small, lay: Layout):
-    big.weight[:lay.small.dim] = small.weight * math.sqrt(lay.ratio)
+    put(big.weight, slice(lay.small.dim), small.weight * math.sqrt(lay.ratio))
 
 
 def empty_module(cls, args: ModelArgs, device, dtype):
@@ -138,9 +143,9 @@ def inflate_target(small: Transformer, shape: dict, device, dtype):
     lay.big = args
     big = empty_module(Transformer, args, device, dtype)
     sd, sv = small.args.dim, small.args.vocab_size
-    big.tok_embeddings.weight[:sv, :sd] = small.tok_embeddings.weight
+    put(big.tok_embeddings.weight, (slice(sv), slice(sd)), small.tok_embeddings.weight)
     big.tok_embeddings.weight[:, lay.bias_dim] = BIAS
-    big.output.weight[:sv, :sd] = small.output.weight
+    put(big.output.weight, (slice(sv), slice(sd)), small.output.weight)
     big.output.weight[sv:, lay.bias_dim] = NEVER
     copy_norm(big.norm, small.norm, lay)
     big.norm.weight[lay.bias_dim] = 1 / BIAS  # extra rows score NEVER x rms-normalised 1
@@ -176,9 +181,9 @@ def inflate_head(small: EagleDraft, small_config: dict, lay: Layout, device, dty
     for p in head.parameters():
         p.data.zero_()
     sd = lay.small.dim
-    head.fc.weight[:sd, :sd] = small.fc.weight[:, :sd]  # embedding part
-    head.fc.weight[:sd, b.dim:b.dim + sd] = small.fc.weight[:, sd:]  # feature part
-    head.fc.bias[:sd] = small.fc.bias
+    put(head.fc.weight, (slice(sd), slice(sd)), small.fc.weight[:, :sd])  # embedding part
+    put(head.fc.weight, (slice(sd), slice(b.dim, b.dim + sd)), small.fc.weight[:, sd:])  # feature part
+    put(head.fc.bias, slice(sd), small.fc.bias)
     head.fc.bias[lay.bias_dim] = BIAS  # the head's own output carries the bias channel to the lm_head
     copy_attention(head.layer.attention, small.layer.attention, lay)
     copy_mlp(head.layer.feed_forward, small.layer.feed_forward, lay)

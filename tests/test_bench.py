@@ -90,7 +90,7 @@ def test_gpu_check_quick_runs_on_cpu(tmp_path):
                     "--total_tokens", "8"])
     results = json.loads((tmp_path / "g" / "results.json").read_text())
     assert not [name for name, r in results.items() if "error" in r], results
-    checks = results["compiled vs eager (reduced shape)"]
+    checks = results["compiled vs eager (reduced shape, fp32)"]
     for kind in ("plain", "EAGLE-2"):
         assert checks[kind]["same_tokens"] and checks[kind]["same_tokens_second_prompt"]
         assert checks[kind]["graphs_compiled_after_warm_up"] == 0

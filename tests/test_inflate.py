@@ -81,3 +81,20 @@ def test_inflated_folder_runs_through_the_cli(tmp_path, capsys):
     assert big["tokens"] == small["tokens"] and big["accept_lengths"] == small["accept_lengths"]
     with pytest.raises(SystemExit, match="exists"):  # never writes over a folder
         inflate_demo.main(["--shape", "llama2-7b", "--out_dir", str(tmp_path / "big")])
+
+
+def test_bf16_inflation_rounds_the_fp32_one_once():
+    """On CUDA the inflated model is built in bf16: every weight must be the fp32 build rounded once (the
+    demo's numbers scaled in fp32, then cast), and greedy decoding must run in that dtype."""
+    shape = REDUCED["llama3-like"]
+    exact, exact_head, _, _ = inflate_demo.inflate(DEMO, shape)
+    half, half_head, _, _ = inflate_demo.inflate(DEMO, shape, "cpu", torch.bfloat16)
+    for full_module, bf16_module in [(exact, half), (exact_head, half_head)]:
+        full_params, bf16_params = dict(full_module.named_parameters()), dict(bf16_module.named_parameters())
+        assert full_params.keys() == bf16_params.keys()
+        for name, p in bf16_params.items():
+            assert p.dtype == torch.bfloat16 and torch.equal(p, full_params[name].to(torch.bfloat16)), name
+    half.setup_caches(1, 128)
+    half_head.setup_caches(128)
+    out = generate.generate(half, list(range(5, 25)), 8, GREEDY, draft=half_head, tree=TREE)
+    assert len(out.tokens) == 8 and out.accept_lengths
