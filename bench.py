@@ -266,6 +266,19 @@ def hf_twin(target: Transformer):
     return hf.eval()
 
 
+@torch.no_grad()
+def hf_step_ms(hf, ids, steps: int = 16) -> float:
+    """One decoding forward of the transformers model with its KV cache, outside generate (what generate's
+    own overhead adds is the difference)."""
+    out = hf(ids, use_cache=True)
+    device_sync(ids.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = hf(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+    device_sync(ids.device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, prompt=None) -> dict:
     """The same prompt (default: 64 random tokens) and weights: transformers' generate, our plain decoding,
     our EAGLE-2 (tokens/s)."""
@@ -281,7 +294,8 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
             t0 = time.perf_counter()
             hf_tokens = hf.generate(ids, **kwargs)[0, len(prompt):].tolist()
             device_sync(device)
-        rows["transformers generate"] = {"tokens_per_s": n_tokens / (time.perf_counter() - t0)}
+        rows["transformers generate"] = {"tokens_per_s": n_tokens / (time.perf_counter() - t0),
+                                         "forward_step_ms": hf_step_ms(hf, ids)}
         del hf
     for name, kwargs in [("eaglet plain", {"step_fn": step_fns["plain"]}),
                          ("eaglet EAGLE-2", {"draft": draft, "tree": tree, "step_fn": step_fns["spec"]})]:
