@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
-                   TransformerBlock, attention_mask, compiled_mask, load_state_dict, mismatch_detail, read_config)
+                   TransformerBlock, attention_mask, load_state_dict, mismatch_detail, read_config)
 
 
 class DraftHead(nn.Module):
@@ -70,7 +70,7 @@ class EagleDraft(DraftHead):
         """embeds = target embedding of x_{t+1} [1, T, dim], features = f_t [1, T, dim] -> h_t [1, T, dim]."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rope(input_pos, x.dtype)
-        return self.layer(x, cos, sin, cache_slots, compiled_mask(mask))
+        return self.layer(x, cos, sin, cache_slots, mask)
 
     def step(self, target: Transformer, tokens, inputs, input_pos, slots, mask) -> Tensor:
         return self(target.tok_embeddings(tokens)[None], inputs[None], input_pos, slots, mask)[0]
@@ -120,7 +120,7 @@ class Eagle3Draft(DraftHead):
         embeds = (self.embed or target.tok_embeddings)(tokens)
         x = inputs if inputs.shape[-1] == self.args.dim else self.fc(inputs)
         cos, sin = self.rope(input_pos, x.dtype)
-        return self.layer(embeds[None], x[None], cos, sin, slots, compiled_mask(mask))[0]
+        return self.layer(embeds[None], x[None], cos, sin, slots, mask)[0]
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
         return self.lm_head(self.norm(h))

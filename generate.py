@@ -91,7 +91,7 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab  # noqa: E402
-from model import EagletError, Transformer, attention_mask, causal_mask  # noqa: E402
+from model import EagletError, Transformer, attention_mask, causal_mask, decode_mask  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -173,7 +173,7 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
                      filled: int = 0):
     """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
     Eager callers may pass filled (input_pos + 1, known on the host): only those cache slots are read."""
-    logits, _ = model(token, input_pos, input_pos, causal_mask(input_pos, filled or model.max_seq_length))
+    logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
     return sample(logits[:, -1], sampling)
 
 

@@ -219,8 +219,8 @@ class Attention(nn.Module):
 def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """Attention of q [B, H, T, D] over the cache k, v [B, H_kv, S, D] as the mask allows.
 
-    mask is a BlockMask (compiled code, see block_mask: only the cache blocks holding visible slots are read)
-    or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what is filled).
+    mask is a BlockMask (compiled CUDA decoding, see decode_mask: only the cache blocks holding visible slots
+    are read) or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what is filled).
     """
     if isinstance(mask, BlockMask):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -265,16 +265,33 @@ def block_mask(mask: Tensor) -> BlockMask:
                                     seq_lengths=(n_q, n_kv))
 
 
-# EAGLET_FLEX=0 turns the block mask off: compiled CUDA code then attends over the whole cache, as on CPU
+def decode_block_mask(input_pos: Tensor, n_kv: int) -> BlockMask:
+    """A decoding step's mask (one token at slot input_pos[0] sees slots 0..input_pos[0]) as a BlockMask: the
+    block lists as block_mask gives them, but a mask_mod that reads only input_pos, a graph input. (torch
+    2.11's CUDA inductor cannot lower a mask_mod that reads a tensor computed inside the graph, as
+    block_mask's does, nor flex_attention over more than one query here: both seen on an H100.)"""
+    bm = block_mask(causal_mask(input_pos, n_kv))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= input_pos[0]
+
+    return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                    BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod, seq_lengths=(1, n_kv))
+
+
+# EAGLET_FLEX=0 turns the block mask off: compiled CUDA decoding then attends over the whole cache, as on CPU
 # (a fallback should flex_attention fail to compile on some torch / GPU; scripts/gpu_check.py uses it so).
 FLEX_ATTENTION = os.environ.get("EAGLET_FLEX", "1") != "0"
 
 
-def compiled_mask(mask: Tensor):
-    """What attention takes: inside torch.compile on CUDA a BlockMask; elsewhere the boolean mask. (Eager
-    flex_attention is a slow reference, and CPU inductor's flex kernel cannot read a mask computed inside
-    the graph, as the cycle's tree masks are: on CPU the compiled cycle attends over the whole cache.)"""
-    return block_mask(mask) if FLEX_ATTENTION and torch.compiler.is_compiling() and mask.is_cuda else mask
+def decode_mask(input_pos: Tensor, n_kv: int):
+    """The mask of a decoding step over n_kv cache slots: inside torch.compile on CUDA a BlockMask, so the
+    step reads only the filled cache blocks; elsewhere the boolean row. (Eager flex_attention is a slow
+    reference, and CPU inductor's flex kernel cannot lower a mask computed inside the graph.) Calls of more
+    than one token (prefill, verify, the draft's) attend through the boolean mask."""
+    if FLEX_ATTENTION and torch.compiler.is_compiling() and input_pos.is_cuda:
+        return decode_block_mask(input_pos, n_kv)
+    return causal_mask(input_pos, n_kv)
 
 
 class FeedForward(nn.Module):
@@ -369,13 +386,13 @@ class Transformer(nn.Module):
     def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,
                 logits_idx: Optional[Tensor] = None):
         """idx [B, T]; input_pos and cache_slots [T]; mask [T, L] (True = may attend) over the first L cache
-        slots: L = max_seq_length in compiled code (fixed shapes), what is filled in an eager prefill.
+        slots: L = max_seq_length in compiled code (fixed shapes), what is filled in an eager prefill; or, for
+        compiled CUDA decoding, decode_mask's BlockMask.
 
         Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(input_pos, x.dtype)
-        mask = compiled_mask(mask)
         layer_inputs = {}  # kept only for the layers the draft head reads
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:

@@ -30,7 +30,7 @@ from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate  # noqa: E402
 import model  # noqa: E402
-from model import EagletError, block_mask, causal_mask, attention_mask, sdpa_inputs  # noqa: E402
+from model import EagletError, causal_mask, attention_mask, decode_block_mask, sdpa_inputs  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 REDUCED = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -84,7 +84,7 @@ def backend_name(inputs: dict) -> str:
 
 def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> dict:
     """For each attention call of a run: what the eager code gives SDPA (and which kernel SDPA picks), and
-    what the compiled code runs (flex_attention over a block mask on CUDA)."""
+    what the compiled code runs (flex_attention over a block mask when it decodes on CUDA, else SDPA)."""
     device, dtype = target.output.weight.device, target.output.weight.dtype
     S = target.max_seq_length
     ctx = torch.tensor(n_prompt, device=device)
@@ -109,8 +109,8 @@ def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> 
         if eager_mask is not None:
             row["eager"] = "SDPA " + backend_name(sdpa_inputs(*qkv(args, eager_mask.shape[0]), eager_mask))
         if compiled_mask is not None:
-            if device.type == "cuda" and model.FLEX_ATTENTION:
-                bm = block_mask(compiled_mask)
+            if device.type == "cuda" and model.FLEX_ATTENTION and compiled_mask.shape[0] == 1:
+                bm = decode_block_mask(ctx.view(1), S)
                 read = int(bm.kv_num_blocks[0, 0].max() + bm.full_kv_num_blocks[0, 0].max())
                 row["compiled"] = f"flex_attention, {read} of {bm.kv_indices.shape[-1]} cache blocks read"
             else:
@@ -188,6 +188,8 @@ def measure_shape(name: str, shape: dict, device: str, dtype, prompt: list, args
     copy_bw = bench.copy_bandwidth(device)
     out = {"weights_GB": generate.weight_bytes(target) / 1e9}
     out["plain"] = bench.bench_plain(target, True, copy_bw, args.repeats)
+    if args.plain_only:
+        return out
     step_s = out["plain"]["step_ms"] / 1e3
     if full:
         out["cycle"] = bench.bench_cycle(target, draft, tree, True, args.repeats, step_s, copy_bw)
@@ -211,6 +213,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
     p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated side by side")
     p.add_argument("--max_seq_length", type=int_flag(64), default=2048, help="KV cache slots")
+    p.add_argument("--plain_only", action="store_true",
+                   help="per shape only the compiled plain step (then the cache-size check): a short A/B run")
     p.add_argument("--coordinate_descent", action="store_true",
                    help="inductor's coordinate_descent_tuning on (gpt-fast's setting), for an A/B run")
     args = p.parse_args(argv)

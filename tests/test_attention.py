@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import KV_BLOCK, attend, attention_mask, block_mask
+from model import KV_BLOCK, attend, attention_mask, block_mask, decode_block_mask
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 4, 2, 16, 3 * KV_BLOCK + 40  # the cache ends inside a block
 
@@ -70,3 +70,18 @@ def test_block_mask_lists_only_the_filled_blocks(ctx, n, expected_full, expected
     full_n, partial_n = int(bm.full_kv_num_blocks[0, 0, 0]), int(bm.kv_num_blocks[0, 0, 0])
     assert sorted(bm.full_kv_indices[0, 0, 0, :full_n].tolist()) == expected_full
     assert sorted(bm.kv_indices[0, 0, 0, :partial_n].tolist()) == expected_partial
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("decode")])
+def test_decode_block_mask_equals_masked_attention(case):
+    """Compiled CUDA decoding's BlockMask (its mask_mod reads the position, not a mask built in the graph)."""
+    ctx, block = CASES[case]
+    torch.manual_seed(1)
+    q = torch.randn(1, HEADS, 1, HEAD_DIM)
+    k, v = torch.randn(2, 1, KV_HEADS, SLOTS, HEAD_DIM).unbind(0)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(torch.tensor(ctx), block, SLOTS),
+                                               enable_gqa=True)
+    bm = decode_block_mask(torch.tensor([ctx]), SLOTS)
+    torch.testing.assert_close(attend_compiled(q, k, v, bm), reference, rtol=1e-5, atol=1e-5)
+    read = int(bm.kv_num_blocks[0, 0, 0] + bm.full_kv_num_blocks[0, 0, 0])
+    assert read == ctx // KV_BLOCK + 1  # the blocks up to the query's own, no further
