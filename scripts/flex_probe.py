@@ -1,4 +1,9 @@
-"""Which ways of building a BlockMask inside torch.compile lower on this torch + GPU (a diagnostic)."""
+"""Which ways of building a BlockMask inside torch.compile lower on this torch + GPU (a diagnostic; its output
+on an H100 with torch 2.11 is in benchmarks/h100-2026-11-23/flex-probe-db3323a.txt). Run it on a newer torch to
+see whether flex_attention over several queries (verify, draft, catch-up) can be turned on.
+
+    python scripts/flex_probe.py
+"""
 import sys
 import traceback
 from pathlib import Path
@@ -10,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model  # noqa: E402
 from model import attention_mask, attend, block_mask, causal_mask  # noqa: E402
 
+if not torch.cuda.is_available():
+    sys.exit("error: flex_probe needs a CUDA GPU")
 dev, dt = "cuda", torch.bfloat16
 S, H, HKV, D = 1024, 8, 2, 128
 k = torch.randn(1, HKV, S, D, device=dev, dtype=dt)
