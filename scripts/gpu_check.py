@@ -200,10 +200,32 @@ def measure_shape(name: str, shape: dict, device: str, dtype, prompt: list, args
     return out
 
 
+def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: list):
+    """The reduced shape: attention kernels (bf16 on CUDA), compiled == eager (fp32), falling back to dense
+    attention if the compiled check fails."""
+    small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, dtype)
+    small.setup_caches(1, 1024)
+    small_draft.setup_caches(1024)
+    report.section("attention kernels (reduced shape)", attention_backends, small, small_draft, tree)
+    # exactness in fp32: in bf16 compiled and eager kernels round differently, and near-ties flip tokens
+    small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, torch.float32)
+    small.setup_caches(1, 1024)
+    small_draft.setup_caches(1024)
+    checked = report.section("compiled vs eager (reduced shape, fp32)", compiled_vs_eager, small, small_draft, tree,
+                             prompt, 48)
+    if device == "cuda" and "error" in checked:  # measure the rest with the dense fallback rather than nothing
+        model.FLEX_ATTENTION = False
+        torch._dynamo.reset()
+        report.results["setup"]["flex_attention"] = "off (EAGLET_FLEX=0) after it failed in the section above"
+        report.section("compiled vs eager, dense attention (reduced shape, fp32)", compiled_vs_eager, small, small_draft,
+                       tree, prompt, 48)
+
+
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path("gpu_results"), help="folder for results.json and results.md")
-    p.add_argument("--quick", action="store_true", help="environment, kernels and compiled == eager only")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="environment, kernels and compiled == eager only")
     p.add_argument("--shapes", default="llama2-7b,llama3-8b", help="comma-separated, from " + ", ".join(SHAPES))
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--budget_s", type=int_flag(1), default=500, help="start no section after this many seconds")
@@ -213,13 +235,15 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
     p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated side by side")
     p.add_argument("--max_seq_length", type=int_flag(64), default=2048, help="KV cache slots")
-    p.add_argument("--plain_only", action="store_true",
-                   help="per shape only the compiled plain step (then the cache-size check): a short A/B run")
+    mode.add_argument("--plain_only", action="store_true",
+                      help="no checks; per shape only the compiled plain step, then the cache-size check (an A/B run)")
     p.add_argument("--coordinate_descent", action="store_true",
                    help="inductor's coordinate_descent_tuning on (gpt-fast's setting), for an A/B run")
     args = p.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
+    if not args.shapes:
+        p.error("--shapes names no shape")
     if unknown:
         p.error(f"unknown --shapes {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     return args
@@ -248,29 +272,15 @@ def main(argv=None):
                                "flex_attention": model.FLEX_ATTENTION}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
-    small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, dtype)
-    small.setup_caches(1, 1024)
-    small_draft.setup_caches(1024)
-    report.section("attention kernels (reduced shape)", attention_backends, small, small_draft, tree)
-    # exactness in fp32: in bf16 compiled and eager kernels round differently, and near-ties flip tokens
-    small, small_draft, _, _ = inflate(DEMO_DIR, REDUCED, device, torch.float32)
-    small.setup_caches(1, 1024)
-    small_draft.setup_caches(1024)
-    checked = report.section("compiled vs eager (reduced shape, fp32)", compiled_vs_eager, small, small_draft, tree,
-                             prompt, 48)
-    if device == "cuda" and "error" in checked:  # measure the rest with the dense fallback rather than nothing
-        model.FLEX_ATTENTION = False
-        torch._dynamo.reset()
-        report.results["setup"]["flex_attention"] = "off (EAGLET_FLEX=0) after it failed in the section above"
-        report.section("compiled vs eager, dense attention (reduced shape, fp32)", compiled_vs_eager, small, small_draft,
-                       tree, prompt, 48)
+    if not args.plain_only:
+        run_checks(report, device, dtype, tree, prompt)
     if not args.quick:
         for i, name in enumerate(args.shapes):
             report.section(f"{name} (inflated demo)", measure_shape, name, SHAPES[name], device, dtype, prompt, args,
                            i == 0)
             if device == "cuda":
                 torch.cuda.empty_cache()
-        big = inflate(DEMO_DIR, SHAPES[args.shapes[-1]], device, dtype)[0] if args.shapes else small
+        big = inflate(DEMO_DIR, SHAPES[args.shapes[-1]], device, dtype)[0]
         report.section("plain step at context 256: 512 vs 8192 cache slots", cache_size_check, big)
     print((args.out / "results.md").read_text())
 
