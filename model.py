@@ -220,7 +220,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """Attention of q [B, H, T, D] over the cache k, v [B, H_kv, S, D] as the mask allows.
 
     mask is a BlockMask (compiled CUDA decoding, see decode_mask: only the cache blocks holding visible slots
-    are read) or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what is filled).
+    are read) or a boolean tensor [T, L]: then only the first L slots are read (eager prefill passes L = what
+    is filled).
     """
     if isinstance(mask, BlockMask):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -241,10 +242,11 @@ def sdpa_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict:
 KV_BLOCK = 128  # cache slots per block of a BlockMask; blocks with no visible slot are skipped
 
 
-def block_mask(mask: Tensor) -> BlockMask:
+def block_mask(mask: Tensor, mask_mod=None) -> BlockMask:
     """The boolean mask [T, S] as a BlockMask for flex_attention: the same attention, but the kernel reads
     only the KV blocks in which some query sees a slot (the filled context and the block's own slots), so
-    a step's cost follows the context, not the cache size. Fixed shapes: one compiled graph for all lengths."""
+    a step's cost follows the context, not the cache size. Fixed shapes: one compiled graph for all lengths.
+    mask_mod decides inside partial blocks (default: reads the mask; another must say the same as the mask)."""
     n_q, n_kv = mask.shape
     q_blocks, kv_blocks = -(-n_q // KV_BLOCK), -(-n_kv // KV_BLOCK)
     q_pad, kv_pad = q_blocks * KV_BLOCK - n_q, kv_blocks * KV_BLOCK - n_kv
@@ -258,25 +260,22 @@ def block_mask(mask: Tensor) -> BlockMask:
         order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return chosen.sum(-1, dtype=torch.int32)[None, None], order[None, None]
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def read_mask(b, h, q_idx, kv_idx):
         return padded[q_idx, kv_idx]
 
-    return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(n_q, n_kv))
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=KV_BLOCK,
+                                    mask_mod=mask_mod or read_mask, seq_lengths=(n_q, n_kv))
 
 
 def decode_block_mask(input_pos: Tensor, n_kv: int) -> BlockMask:
     """A decoding step's mask (one token at slot input_pos[0] sees slots 0..input_pos[0]) as a BlockMask: the
-    block lists as block_mask gives them, but a mask_mod that reads only input_pos, a graph input. (torch
+    block lists of block_mask, with a mask_mod that reads only input_pos, a graph input. (torch
     2.11's CUDA inductor cannot lower a mask_mod that reads a tensor computed inside the graph, as
     block_mask's does, nor flex_attention over more than one query here: both seen on an H100.)"""
-    bm = block_mask(causal_mask(input_pos, n_kv))
-
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= input_pos[0]
 
-    return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                                    BLOCK_SIZE=KV_BLOCK, mask_mod=mask_mod, seq_lengths=(1, n_kv))
+    return block_mask(causal_mask(input_pos, n_kv), mask_mod)
 
 
 # EAGLET_FLEX=0 turns the block mask off: compiled CUDA decoding then attends over the whole cache, as on CPU
