@@ -225,18 +225,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """
     if isinstance(mask, BlockMask):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-    return F.scaled_dot_product_attention(**sdpa_inputs(q, k, v, mask))
+    return F.scaled_dot_product_attention(**sdpa_inputs(q, k, v, mask)).reshape(q.shape)
 
 
 def sdpa_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict:
-    """SDPA's arguments for a boolean mask [T, L]: the first L cache slots; on CUDA the key/value heads
-    expanded, because a boolean mask with enable_gqa falls to the unfused math kernel there."""
-    k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
-    gqa = k.shape[1] != q.shape[1]
-    if gqa and q.is_cuda:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        gqa = False
-    return dict(query=q, key=k, value=v, attn_mask=mask, enable_gqa=gqa)
+    """SDPA's arguments for a boolean mask [T, L]: the first L cache slots, and the query heads that share a
+    key/value head folded into the query length (q as [B, H_kv, rep * T, D], the mask repeated rep times).
+    The same attention as enable_gqa, which with a boolean mask falls to the unfused math kernel on CUDA,
+    and no copy of K/V per query head (repeat_interleave's: 2 GB a 60-token verify on LLaMA-3-8B, 2048 slots)."""
+    bsz, n_head, seqlen, head_dim = q.shape
+    n_kv = k.shape[1]
+    rep = n_head // n_kv
+    return dict(query=q.reshape(bsz, n_kv, rep * seqlen, head_dim), key=k[:, :, :mask.shape[-1]],
+                value=v[:, :, :mask.shape[-1]], attn_mask=mask.repeat(rep, 1) if rep > 1 else mask)
 
 
 KV_BLOCK = 128  # cache slots per block of a BlockMask; blocks with no visible slot are skipped

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import KV_BLOCK, attend, attention_mask, block_mask, decode_block_mask
+from model import KV_BLOCK, attend, attention_mask, block_mask, decode_block_mask, sdpa_inputs
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 4, 2, 16, 3 * KV_BLOCK + 40  # the cache ends inside a block
 
@@ -85,3 +85,19 @@ def test_decode_block_mask_equals_masked_attention(case):
     torch.testing.assert_close(attend_compiled(q, k, v, bm), reference, rtol=1e-5, atol=1e-5)
     read = int(bm.kv_num_blocks[0, 0, 0] + bm.full_kv_num_blocks[0, 0, 0])
     assert read == ctx // KV_BLOCK + 1  # the blocks up to the query's own, no further
+
+
+def test_grouped_query_attention_reads_the_cache_unexpanded():
+    """GQA through SDPA: the query heads sharing a K/V head ride in the query length, so SDPA gets the cache's
+    own K/V (no per-head copy) and no enable_gqa, and the result is grouped attention's."""
+    torch.manual_seed(2)
+    ctx, block = CASES["tree across a block edge"]
+    n = block.shape[0]
+    q = torch.randn(1, HEADS, n, HEAD_DIM)
+    k, v = torch.randn(2, 1, KV_HEADS, SLOTS, HEAD_DIM).unbind(0)
+    mask = attention_mask(torch.tensor(ctx), block, SLOTS)
+    args = sdpa_inputs(q, k, v, mask)
+    assert args["key"].data_ptr() == k.data_ptr() and args["key"].shape[1] == KV_HEADS
+    assert args["query"].shape == (1, KV_HEADS, HEADS // KV_HEADS * n, HEAD_DIM) and "enable_gqa" not in args
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, mask), reference, rtol=1e-5, atol=1e-5)
