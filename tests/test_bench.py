@@ -106,12 +106,13 @@ def test_gpu_check_plain_only_measures_a_shape_on_cpu(tmp_path, monkeypatch):
     import gpu_check
     monkeypatch.setitem(gpu_check.SHAPES, "small-test", {**gpu_check.REDUCED, "max_position_embeddings": 1024})
     gpu_check.main(["--plain_only", "--device", "cpu", "--shapes", "small-test", "--out", str(tmp_path / "g"),
-                    "--repeats", "2", "--max_seq_length", "256"])
+                    "--repeats", "2", "--max_seq_length", "256", "--draft_vocab", "4096"])
     results = json.loads((tmp_path / "g" / "results.json").read_text())
     assert not [name for name, r in results.items() if "error" in r], results
     assert "compiled vs eager (reduced shape, fp32)" not in results
     plain = results["small-test (inflated demo)"]["plain"]
     assert plain["tokens_per_s"] > 0 and plain["recompiles_after_warmup"] == 0
-    assert set(results["small-test (inflated demo)"]) == {"weights_GB", "plain", "section_seconds"}
+    assert set(results["small-test (inflated demo)"]) == {"weights_GB", "plain", "section_seconds", "draft_vocab"}
+    assert results["setup"]["draft_vocab"] == 4096
     sizes = results["plain step at context 256: 512 vs 8192 cache slots"]
     assert set(sizes) >= {"512 slots", "1024 slots"} and sizes["1024 slots"]["recompiles_after_warmup"] == 0

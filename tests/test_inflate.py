@@ -63,6 +63,19 @@ def test_inflated_demo_decodes_exactly_as_the_demo(shape, demo_pair, held_out_pr
     print(f"{shape}: tau {sum(taus) / len(taus):.2f} on {len(taus)} held-out prompts, same as the demo")
 
 
+def test_draft_vocab_of_the_demo_tokens_drafts_the_same(held_out_prompts):
+    """gpu_check --draft_vocab: an inflated head restricted to the first ids (all of the demo's tokens) drafts
+    the same trees -- the same tokens, the same accepted lengths -- while its lm_head shrinks."""
+    target, head, target_config, _ = inflate_demo.inflate(DEMO, REDUCED["llama3-like"])
+    target.setup_caches(1, 256)
+    head.setup_caches(256)
+    full = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
+    head.restrict_vocab(target, torch.arange(target_config["tokenizer_vocab_size"]))
+    assert head.lm_head_weight(target).shape[0] == 4096 < target.args.vocab_size
+    restricted = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
+    assert restricted.tokens == full.tokens and restricted.accept_lengths == full.accept_lengths
+
+
 def test_inflated_folder_runs_through_the_cli(tmp_path, capsys):
     shape = dict(REDUCED["llama3-like"])
     inflate_demo.SHAPES["reduced-test"] = shape
