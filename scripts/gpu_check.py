@@ -243,7 +243,8 @@ def parse_args(argv=None):
     mode.add_argument("--plain_only", action="store_true",
                       help="no checks; per shape only the compiled plain step, then the cache-size check (an A/B run)")
     p.add_argument("--draft_vocab", type=int_flag(1), default=0,
-                   help="the draft scores only the first N token ids on shapes with more (FR-Spec's cost); default: all")
+                   help="the draft scores only the first N token ids on shapes with more (FR-Spec's cost); "
+                        "default: all")
     p.add_argument("--coordinate_descent", action="store_true",
                    help="inductor's coordinate_descent_tuning on (gpt-fast's setting), for an A/B run")
     args = p.parse_args(argv)
@@ -265,7 +266,8 @@ def main(argv=None):
             raise EagletError(f"no demo in {DEMO_DIR}")
         demo_vocab = model.read_config(DEMO_DIR / "target")["vocab_size"]
         if 0 < args.draft_vocab < demo_vocab:
-            raise EagletError(f"--draft_vocab {args.draft_vocab} would leave out demo tokens: give at least {demo_vocab}")
+            raise EagletError(f"--draft_vocab {args.draft_vocab} would leave out demo tokens: "
+                              f"give at least {demo_vocab}")
         if any((args.out / name).exists() for name in ("results.json", "results.md")):
             raise EagletError(f"--out {args.out} already holds results; give a new folder")
         args.out.mkdir(parents=True, exist_ok=True)
