@@ -147,16 +147,38 @@ def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = START_PR
     return root, ctx_len, h_last
 
 
+def kernel_table(fn, device, calls: int = 10, top: int = 10) -> dict:
+    """Where a call's time goes, by kernel (torch.profiler): on CUDA the kernels launched per call and their
+    device time; on CPU the operators and their self time. Run after timed() (compiled, graphs captured)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = str(device).startswith("cuda")
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        device_sync(device)
+    rows = sorted(((e.key, e.count / calls, (e.self_device_time_total if cuda else e.self_cpu_time_total) / calls)
+                   for e in prof.key_averages() if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU)),
+                  key=lambda row: -row[2])
+    total_us = sum(us for _, _, us in rows)
+    return {"unit": "CUDA kernels" if cuda else "CPU operators (self time)",
+            "per_call": sum(n for _, n, _ in rows), "ms_per_call": total_us / 1e3,
+            "top": [{"name": name[:100], "per_call": n, "us_per_call": us, "share": us / max(total_us, 1e-9)}
+                    for name, n, us in rows[:top]]}
+
+
 def bench_plain(target, compile_, copy_bw, repeats) -> dict:
     device = target.output.weight.device
     step_fn = compile_step(decode_one_token, str(device)) if compile_ else decode_one_token
     root, ctx_len, _ = start_state(target, None)
     with torch.no_grad():
-        step_s, recompiles = timed(lambda: step_fn(target, root.view(1, 1), ctx_len.view(1), GREEDY), repeats, device)
+        step = lambda: step_fn(target, root.view(1, 1), ctx_len.view(1), GREEDY)  # noqa: E731
+        step_s, recompiles = timed(step, repeats, device)
+        kernels = kernel_table(step, device)
     n_bytes = weight_bytes(target)
     return {"step_ms": step_s * 1e3, "tokens_per_s": 1 / step_s, "weights_GB": n_bytes / 1e9,
             "GB_per_s": n_bytes / step_s / 1e9, "fraction_of_copy_bandwidth": n_bytes / step_s / copy_bw,
-            "recompiles_after_warmup": recompiles}
+            "recompiles_after_warmup": recompiles, "kernels": kernels}
 
 
 def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
@@ -186,7 +208,8 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
         rows = {}
         for name, (fn, args) in phases.items():
             seconds, recompiles = timed(lambda: fn(*args), repeats, device)
-            rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s, "recompiles_after_warmup": recompiles}
+            rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s,
+                          "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}
     floor = cycle_bytes(target, draft, tree, int(ctx_len))
     whole = rows["whole cycle"]["ms"] / 1e3
     return {"phases": rows, "floor_plain_steps": floor["cycle"] / floor["plain_step"],
@@ -322,10 +345,14 @@ def markdown(results: dict) -> str:
              f"| step | {plain['step_ms']:.3f} ms |", f"| tokens/s | {plain['tokens_per_s']:.1f} |",
              f"| weights | {plain['weights_GB']:.2f} GB |",
              f"| GB/s | {plain['GB_per_s']:.1f} ({100 * plain['fraction_of_copy_bandwidth']:.0f}% of copy) |",
-             f"| recompiles after warm-up | {plain['recompiles_after_warmup']} |", "",
-             "| EAGLE-2 cycle ({total_tokens}/{depth}/{topk}) | ms | plain steps | recompiles |".format(**setup["tree"]),
-             "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} |"
+             f"| recompiles after warm-up | {plain['recompiles_after_warmup']} |",
+             f"| {plain['kernels']['unit']} per step | {plain['kernels']['per_call']:.0f} "
+             f"({plain['kernels']['ms_per_call']:.3f} ms) |", "",
+             "| EAGLE-2 cycle ({total_tokens}/{depth}/{topk}) | ms | plain steps | recompiles | {unit} |".format(
+                 **setup["tree"], unit=plain["kernels"]["unit"]),
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} | "
+              f"{r['kernels']['per_call']:.0f} ({r['kernels']['ms_per_call']:.3f} ms) |"
               for name, r in cycle["phases"].items()]
     lines += ["", f"Bytes floor of a cycle: {cycle['cycle_bytes_GB']:.2f} GB = {cycle['floor_plain_steps']:.2f} plain "
               f"steps = {cycle['floor_ms']:.3f} ms; measured cycle / floor = {cycle['measured_over_floor']:.2f}", "",

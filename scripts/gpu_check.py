@@ -65,7 +65,7 @@ class Report:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
         lines = [f"# GPU check ({time.strftime('%Y-%m-%d')}, commit {bench.git_commit()})", ""]
         for name, value in self.results.items():
-            lines += [f"## {name}", "", "```", json.dumps(value, indent=1, default=str)[:6000], "```", ""]
+            lines += [f"## {name}", "", "```", json.dumps(value, indent=1, default=str)[:30000], "```", ""]
         (self.out / "results.md").write_text("\n".join(lines))
 
 

@@ -22,6 +22,23 @@ def test_bench_random_shape_with_transformers_side_by_side(tmp_path):
     side = results["side_by_side"]
     assert all(row["same_tokens_as_plain"] for row in side.values())  # fp32: the same greedy tokens
     assert "| verify |" in (tmp_path / "r.md").read_text()
+    assert results["plain"]["kernels"]["per_call"] > 0
+    assert all(phase["kernels"]["ms_per_call"] > 0 for phase in results["cycle"]["phases"].values())
+
+
+def test_kernel_table_counts_what_a_call_runs():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def call():
+        torch.mm(a, b)
+        torch.mm(b, a)
+        torch.softmax(a, dim=-1)
+
+    table = bench.kernel_table(call, "cpu", calls=4)
+    rows = {row["name"]: row for row in table["top"]}
+    assert table["unit"].startswith("CPU") and rows["aten::mm"]["per_call"] == 2
+    assert rows["aten::mm"]["us_per_call"] > 0 and "aten::_softmax" in rows
+    assert table["ms_per_call"] * 1e3 >= sum(row["us_per_call"] for row in table["top"]) > 0
 
 
 def test_bench_eval_on_question_files(checkpoints, tmp_path, capsys):
