@@ -430,7 +430,6 @@ def main(argv=None):
                 raise EagletError(f"--out: {args.out.with_suffix(suffix)} exists; give another --out, or --overwrite")
             check_writable(args.out.with_suffix(suffix), "--out")
         torch.manual_seed(0)
-
         target, draft = load_models(args, device)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
