@@ -186,7 +186,7 @@ def bench_plain(target, compile_, copy_bw, repeats) -> dict:
 
 def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
     """Bytes a cycle must read at least: the target once, the draft layer + lm_head depth + 1 times, the KV."""
-    args, elt = target.args, target.output.weight.element_size()
+    args, elt = target.args, target.tok_embeddings.weight.element_size()  # the KV cache's dtype
     kv = 2 * args.n_layer * args.n_local_heads * args.head_dim * elt * ctx
     return {"plain_step": weight_bytes(target) + kv, "cycle": cycle_weight_bytes(target, draft, tree) + kv}
 
@@ -285,7 +285,7 @@ def hf_twin(target: Transformer):
                "lm_head.weight": sd["output.weight"]}
     for i in range(a.n_layer):
         weights.update(export_layer(sd, f"layers.{i}.", f"model.layers.{i}.", a))
-    weight = target.output.weight
+    weight = target.tok_embeddings.weight
     with torch.device(weight.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=weight.dtype)
     hf.load_state_dict(weights, strict=False)  # strict=False: rotary buffers and a tied lm_head
@@ -345,7 +345,8 @@ def kernels_cell(table: dict) -> str:
 
 def markdown(results: dict) -> str:
     setup, plain, cycle = results["setup"], results["plain"], results["cycle"]
-    lines = [f"## {setup['model']} on {setup['device_name']} ({setup['precision']}, compile={setup['compile']})", "",
+    lines = [f"## {setup['model']} on {setup['device_name']} (weights {setup['weights']}, activations "
+             f"{setup['precision']}, compile={setup['compile']})", "",
              f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
              f"Measured copy bandwidth: {setup['copy_GB_per_s']:.1f} GB/s", "",
              "| plain decoding | value |", "| --- | --- |",
@@ -377,6 +378,15 @@ def markdown(results: dict) -> str:
                   f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {len(r['mismatches'])} |"
                   for task, r in results["eval"].items()]
     return "\n".join(lines) + "\n"
+
+
+def weights_format(quantization, precision: str) -> str:
+    """int8, int4 g128 (lm_head int8), or the precision of unquantized weights."""
+    if not quantization:
+        return precision
+    if quantization["mode"] == "int4":
+        return f"int4 g{quantization['groupsize']} (lm_head {quantization.get('lm_head', 'int8')})"
+    return quantization["mode"]
 
 
 def git_commit() -> str:
@@ -431,10 +441,15 @@ def main(argv=None):
             check_writable(args.out.with_suffix(suffix), "--out")
         torch.manual_seed(0)
         target, draft = load_models(args, device)
+        quantization = getattr(target, "quantization", None)
+        if args.hf and quantization:
+            raise EagletError("--hf runs transformers on the same weights, which it cannot read quantized: "
+                              "bench the bf16 model.pth for that row")
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
                              "precision": args.precision, "compile": args.compile, "tree": asdict(tree),
+                             "weights": weights_format(quantization, args.precision),
                              "command": "python " + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
                              "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                              "copy_GB_per_s": copy_bw / 1e9}}

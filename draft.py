@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
-                   TransformerBlock, attention_mask, load_state_dict, mismatch_detail, read_config)
+from model import (Attention, EagletError, FeedForward, Int8Linear, KVCache, ModelArgs, RMSNorm, RotaryTable,
+                   Transformer, TransformerBlock, attention_mask, load_state_dict, mismatch_detail, pack_quantized,
+                   pop_quantization, read_config, use_quantized_linears)
 
 
 class DraftHead(nn.Module):
@@ -45,10 +45,10 @@ class DraftHead(nn.Module):
     def setup_rope(self, max_seq_length: int):
         """RoPE tables only: enough for training (cache_slots=None, a [T, T] mask)."""
         self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
-                                max_seq_length, self.fc.weight.device)
+                                max_seq_length, self.layer.ffn_norm.weight.device)
 
     def setup_caches(self, max_seq_length: int):
-        weight = self.fc.weight
+        weight = self.layer.ffn_norm.weight  # float in every format (fc may be int8): the activations' dtype
         self.max_seq_length = max_seq_length
         self.layer.attention.kv_cache = KVCache(1, max_seq_length, self.args.n_local_heads, self.args.head_dim,
                                                 weight.dtype).to(weight.device)
@@ -64,7 +64,7 @@ class EagleDraft(DraftHead):
         super().__init__(args)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
         self.layer = TransformerBlock(args, input_norm=False)
-        self.register_buffer("vocab_lm_head", None, persistent=False)  # rows of the target's lm_head, if fewer
+        self.vocab_lm_head = None  # a Linear of some rows of the target's lm_head (a draft vocabulary)
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor):
         """embeds = target embedding of x_{t+1} [1, T, dim], features = f_t [1, T, dim] -> h_t [1, T, dim]."""
@@ -76,15 +76,16 @@ class EagleDraft(DraftHead):
         return self(target.tok_embeddings(tokens)[None], inputs[None], input_pos, slots, mask)[0]
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return F.linear(h, self.lm_head_weight(target))
+        return self.lm_head_module(target)(h)
 
-    def lm_head_weight(self, target: Transformer) -> Tensor:
-        return target.output.weight if self.vocab_lm_head is None else self.vocab_lm_head
+    def lm_head_module(self, target: Transformer) -> nn.Module:
+        return target.output if self.vocab_lm_head is None else self.vocab_lm_head
 
     def restrict_vocab(self, target: Transformer, token_ids: Tensor):
-        """Score only these target tokens (FR-Spec): the lm_head read per draft pass shrinks with them."""
-        self.draft_to_target = token_ids.to(target.output.weight.device)
-        self.vocab_lm_head = target.output.weight[self.draft_to_target]
+        """Score only these target tokens (FR-Spec): the lm_head read per draft pass shrinks with them.
+        Its rows stay in the lm_head's format (an int8 lm_head gives int8 rows)."""
+        self.draft_to_target = token_ids.to(target.tok_embeddings.weight.device)
+        self.vocab_lm_head = linear_rows(target.output, self.draft_to_target)
 
 
 class Eagle3Layer(nn.Module):
@@ -125,18 +126,30 @@ class Eagle3Draft(DraftHead):
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
         return self.lm_head(self.norm(h))
 
-    def lm_head_weight(self, target: Transformer) -> Tensor:
-        return self.lm_head.weight
+    def lm_head_module(self, target: Transformer) -> nn.Module:
+        return self.lm_head
+
+
+def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:
+    if isinstance(linear, Int8Linear):
+        return linear.rows(ids)
+    if not isinstance(linear, nn.Linear):
+        raise EagletError(f"a draft vocabulary takes rows of a bf16 or int8 lm_head, not of a {type(linear).__name__}")
+    rows = nn.Linear(linear.in_features, len(ids), bias=False, device="meta")
+    rows.weight = nn.Parameter(linear.weight[ids], requires_grad=False)
+    return rows
 
 
 def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
-    """An EAGLE-1/2 or EAGLE-3 head converted by convert_hf_checkpoint.py, checked against its target."""
+    """An EAGLE-1/2 or EAGLE-3 head converted by convert_hf_checkpoint.py (or quantized by quantize.py),
+    checked against its target."""
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
         raise EagletError(f"draft checkpoint not found: {checkpoint_path} "
                           "(run convert_hf_checkpoint.py --checkpoint_dir on the head's folder first)")
     config = read_config(checkpoint_path.parent)  # the head's shape is in it
     state_dict = load_state_dict(checkpoint_path)
+    pop_quantization(state_dict, checkpoint_path)  # its Linears are told by their keys (assign_weights)
     args = head_args(config)
     if head_kind(config, state_dict, str(checkpoint_path)) == "eagle3":
         model = eagle3_from_state_dict(config, args, state_dict, target, str(checkpoint_path))
@@ -147,10 +160,14 @@ def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.floa
         with torch.device("meta"):
             model = EagleDraft(args, fc_bias="fc.bias" in state_dict)
         assign_weights(model, state_dict, str(checkpoint_path))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    pack_quantized(model)
+    return model
 
 
 def assign_weights(model: nn.Module, state_dict: dict, where: str):
+    with torch.device("meta"):
+        use_quantized_linears(model, state_dict)
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:

@@ -403,7 +403,8 @@ def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: in
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
-    embeddings, once), but only one row of an embedding table that is not also an lm_head."""
+    embeddings, once; quantized ones as stored: values, scales and zeros), but only one row of an embedding
+    table that is not also an lm_head."""
     sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
     for m in model.modules():
@@ -415,9 +416,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
     """Weights one speculative cycle reads: the target once (verify), and per draft pass (depth + 1 of
     them) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
-    lm_head = draft.lm_head_weight(target)
-    own = any(lm_head is p for p in draft.parameters())
-    return weight_bytes(target) + (tree.depth + 1) * (weight_bytes(draft) + (0 if own else lm_head.numel() * lm_head.element_size()))
+    lm_head = draft.lm_head_module(target)
+    own = any(lm_head is m for m in draft.modules())
+    return weight_bytes(target) + (tree.depth + 1) * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))
 
 
 def peak_memory_gb(device) -> float:
@@ -448,7 +449,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
     the target's (if that has one yet). The target is set to return the features the head reads.
     draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
     beside the head, if there is one ("full": the whole vocabulary)."""
-    weight = target.output.weight
+    weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
     draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
     target.set_feature_layers(draft.feature_layers)
     beside = Path(checkpoint_path).parent / "draft_vocab.json"

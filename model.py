@@ -177,6 +177,139 @@ class KVCache(nn.Module):
         self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))
 
 
+QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
+QUANT_FORMAT_VERSION = 1
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The int8 weight is
+    converted inside the matmul's input, so compiled one-token decoding reads int8 bytes in a fused GEMV."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = frozen(torch.empty(out_features, in_features, dtype=torch.int8))
+        self.scales = frozen(torch.empty(out_features, dtype=torch.bfloat16))
+        self.bias = frozen(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> Tensor:
+        return self.weight.to(self.scales.dtype) * self.scales[:, None]
+
+    def rows(self, ids: Tensor) -> "Int8Linear":
+        """A Linear of only these output rows (a draft vocabulary's rows of an lm_head)."""
+        with torch.device("meta"):
+            out = Int8Linear(self.in_features, len(ids), self.bias is not None)
+        out.weight, out.scales = frozen(self.weight[ids]), frozen(self.scales[ids])
+        if self.bias is not None:
+            out.bias = frozen(self.bias[ids])
+        return out
+
+
+# torch's int4 kernels by device: (pack the weights, multiply). Their packed layouts differ, so files hold
+# the plain 4-bit values and pack() lays them out on the device the model is loaded on.
+INT4_KERNELS = {"cuda": ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
+                "cpu": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4, grouped and asymmetric: w = (q - 8) * scale + zero for q in 0..15, one scale and
+    zero per group of groupsize input channels (tinygemm's convention). As stored: weight uint8
+    [out, in / 2] (two values a byte, the even input channel in the high nibble), scales and zeros
+    [out, in / groupsize]; pack() turns them into the layout of the device's kernel."""
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.weight = frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.scales = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
+        self.zeros = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
+        self.bias = frozen(torch.empty(out_features)) if bias else None
+        self.packed_for: Optional[str] = None
+
+    def pack(self):
+        device = self.weight.device.type
+        convert, _ = int4_kernel(device)
+        if device == "cuda":  # tinygemm: bf16 scales and zeros; inner k-tiles as wide as the width allows
+            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            packed, dtype = convert(self.weight.contiguous(), inner_k_tiles), torch.bfloat16
+        else:  # the CPU kernel takes one int32 per value, and scales in the activations' dtype
+            values = torch.stack([self.weight >> 4, self.weight & 15], dim=-1).view(self.out_features, -1)
+            packed, dtype = convert(values.to(torch.int32).contiguous(), 1), self.scales.dtype
+        self.scales_and_zeros = frozen(torch.stack([self.scales.t(), self.zeros.t()], dim=-1).to(dtype).contiguous())
+        self.weight = frozen(packed)
+        del self.scales, self.zeros
+        self.packed_for = device
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed_for != x.device.type:
+            raise EagletError(f"int4 weights packed for {self.packed_for} got input on {x.device.type}: "
+                              "load the model on the device it runs on")
+        _, matmul = int4_kernel(self.packed_for)
+        x2d = x.reshape(-1, self.in_features)
+        if self.packed_for == "cuda":  # tinygemm multiplies bf16 only
+            y = matmul(x2d.to(torch.bfloat16).contiguous(), self.weight, self.groupsize,
+                       self.scales_and_zeros.to(torch.bfloat16)).to(x.dtype)
+        else:
+            y = matmul(x2d.contiguous(), self.weight, self.groupsize, self.scales_and_zeros.to(x.dtype))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def frozen(t: Tensor) -> nn.Parameter:
+    """A parameter that is never trained: quantized weights are integers, which cannot carry gradients."""
+    return nn.Parameter(t, requires_grad=False)
+
+
+def int4_kernel(device: str):
+    names = INT4_KERNELS.get(device)
+    ops = [getattr(torch.ops.aten, name, None) for name in names or ()]
+    if not ops or None in ops:
+        raise EagletError(f"this torch ({torch.__version__}) has no int4 kernel for {device} "
+                          f"({' and '.join(names or ['none known'])}): int4 needs torch >= 2.6")
+    return ops
+
+
+def use_quantized_linears(module: nn.Module, state_dict: dict):
+    """Replace each nn.Linear that the state dict holds quantized (it has NAME.scales) by an Int8Linear, or an
+    Int4Linear if it also has NAME.zeros, ready for load_state_dict(assign=True). Call on the meta device."""
+    for name, linear in list(module.named_modules()):
+        scales = state_dict.get(f"{name}.scales")
+        if not isinstance(linear, nn.Linear) or scales is None:
+            continue
+        bias = linear.bias is not None
+        if f"{name}.zeros" in state_dict:
+            n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 1
+            new = Int4Linear(linear.in_features, linear.out_features, linear.in_features // n_groups, bias)
+        else:
+            new = Int8Linear(linear.in_features, linear.out_features, bias)
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, new)
+
+
+def pack_quantized(module: nn.Module):
+    """Lay out every Int4Linear's weights for the device the module is on (after .to(device))."""
+    for m in module.modules():
+        if isinstance(m, Int4Linear) and m.packed_for is None:
+            m.pack()
+
+
+def pop_quantization(state_dict: dict, path) -> Optional[dict]:
+    """What a quantized file holds (mode, groupsize, ...), taken out of its state dict; None if not quantized."""
+    record = state_dict.pop(QUANT_KEY, None)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or type(record.get("format_version")) is not int:
+        raise EagletError(f"{path}: its quantization record is damaged: {record!r}"[:300])
+    if record["format_version"] > QUANT_FORMAT_VERSION:
+        raise EagletError(f"{path} was quantized in format version {record['format_version']}, newer than this "
+                          f"eaglet reads ({QUANT_FORMAT_VERSION}): update eaglet, or quantize again with this one")
+    return record
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -348,6 +481,7 @@ class Transformer(nn.Module):
         self.rope: Optional[RotaryTable] = None
         self.max_seq_length = 0
         self.feature_layers: tuple = ()  # set by an EAGLE-3 head: the layers whose input it reads
+        self.quantization: Optional[dict] = None  # a quantized checkpoint's record (mode, groupsize, ...)
 
     def set_feature_layers(self, layers):
         """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead
@@ -359,7 +493,7 @@ class Transformer(nn.Module):
     def setup_rope(self, max_seq_length: int):
         """RoPE tables only: enough for training, where forward gets cache_slots=None and a [T, T] mask."""
         self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling, max_seq_length,
-                                self.output.weight.device)
+                                self.tok_embeddings.weight.device)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         args = self.args
@@ -369,7 +503,7 @@ class Transformer(nn.Module):
         if args.sliding_window and max_seq_length > args.sliding_window:
             raise EagletError(f"{max_seq_length} tokens exceed the sliding window ({args.sliding_window}); "
                               "eaglet treats attention as full, which is exact only within the window")
-        weight = self.output.weight
+        weight = self.tok_embeddings.weight  # float in every format: the activations' dtype
         self.max_seq_length = max_seq_length
         try:
             for layer in self.layers:
@@ -421,23 +555,29 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         state_dict = load_state_dict(checkpoint_path)
+        model.quantization = pop_quantization(state_dict, checkpoint_path)
         if "fc.weight" in state_dict:
             raise EagletError(f"{checkpoint_path} is an EAGLE draft head, not a target model "
                               "(give it as --draft_checkpoint_path)")
         if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
             state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
+        with torch.device("meta"):
+            use_quantized_linears(model, state_dict)  # a quantized lm_head is its own copy, no longer tied
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
             raise EagletError(f"{checkpoint_path} does not match its config.json: {mismatch_detail(e)}")
-        if args.tie_word_embeddings:
+        if args.tie_word_embeddings and isinstance(model.output, nn.Linear):
             model.output.weight = model.tok_embeddings.weight
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        pack_quantized(model)
+        return model
 
 
 def load_state_dict(path) -> dict:
     """Tensors saved with torch.save: memory-mapped from the zip format, read whole from the legacy format
-    (old checkpoints). weights_only: a pickle's code is never run."""
+    (old checkpoints); a quantized file also holds its record under QUANT_KEY. weights_only: a pickle's code
+    is never run."""
     try:
         state_dict = torch.load(str(path), map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
     except pickle.UnpicklingError:
@@ -445,7 +585,8 @@ def load_state_dict(path) -> dict:
                           "objects, which are never unpickled here)")
     except Exception as e:
         raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
-    if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+    if not isinstance(state_dict, dict) or \
+            not all(isinstance(v, Tensor) for k, v in state_dict.items() if k != QUANT_KEY):
         raise EagletError(f"{path} is not a state dict (a mapping of names to tensors)")
     return state_dict
 

@@ -95,7 +95,7 @@ from safetensors.torch import save_file  # noqa: E402
 from convert_hf_checkpoint import export_layer  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
-from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from model import EagletError, Int8Linear, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
@@ -266,7 +266,9 @@ def new_eagle3_head(target: Transformer, draft_ids: torch.Tensor, config: dict, 
     head.feature_layers = eagle3_feature_layers(config, target.args.n_layer, "the EAGLE-3 head")
     deepest = head.feature_layers.index(max(head.feature_layers))
     with torch.no_grad():
-        head.lm_head.weight.copy_(target.output.weight[draft_ids.to(device)])
+        lm_head = target.output  # an int8 lm_head (a quantized target) starts the head dequantized
+        weight = lm_head.dequantize() if isinstance(lm_head, Int8Linear) else lm_head.weight
+        head.lm_head.weight.copy_(weight[draft_ids.to(device)])
         head.norm.weight.copy_(target.norm.weight)
         head.fc.weight[:, deepest * dim:(deepest + 1) * dim] += torch.eye(dim, device=device)
     head.draft_to_target = draft_ids.to(device)

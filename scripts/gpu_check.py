@@ -85,7 +85,7 @@ def backend_name(inputs: dict) -> str:
 def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> dict:
     """For each attention call of a run: what the eager code gives SDPA (and which kernel SDPA picks), and
     what the compiled code runs (flex_attention over a block mask when it decodes on CUDA, else SDPA)."""
-    device, dtype = target.output.weight.device, target.output.weight.dtype
+    device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
     S = target.max_seq_length
     ctx = torch.tensor(n_prompt, device=device)
 

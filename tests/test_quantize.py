@@ -1,0 +1,260 @@
+"""Quantized targets and heads (quantize.py): the stored values against the weights they came from, the
+quantized Linears against a dequantize-then-matmul reference, the whole model against transformers on the
+dequantized weights, and EAGLE on a quantized target lossless against plain decoding of the same target."""
+import pytest
+import torch
+
+import generate
+import model as model_module
+import quantize
+from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair
+from convert_hf_checkpoint import convert, export_layer
+from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
+from model import QUANT_KEY, Int4Linear, Int8Linear, ModelArgs, pack_quantized, read_config, use_quantized_linears
+
+GREEDY = SamplingConfig()
+MODES = [("int8", 0), ("int4", 32), ("int4", 64)]
+MODE_IDS = ["int8", "int4-g32", "int4-g64"]
+
+
+def quantize_cli(path, mode, groupsize=0, *extra):
+    argv = ["--checkpoint_path", str(path), "--mode", mode] + (["--groupsize", str(groupsize)] if groupsize else [])
+    quantize.main(argv + list(extra))
+    return quantize.output_path(path, mode, groupsize or 128)
+
+
+def dequantize(state_dict: dict) -> dict:
+    """The stored format read back by its definition, independently of model.py: int8 w = q * scale per row;
+    int4 w = (q - 8) * scale + zero per group, two values a byte with the even input channel high."""
+    out = {k: v for k, v in state_dict.items() if k != QUANT_KEY and not k.endswith((".scales", ".zeros"))}
+    for key in [k for k in state_dict if k.endswith(".scales")]:
+        name = key.removesuffix(".scales")
+        q, scales = state_dict[f"{name}.weight"], state_dict[key].float()
+        if f"{name}.zeros" in state_dict:
+            values = torch.empty(q.shape[0], 2 * q.shape[1])
+            values[:, 0::2], values[:, 1::2] = (q >> 4).float(), (q & 15).float()
+            group = values.shape[1] // scales.shape[1]
+            zeros = state_dict[f"{name}.zeros"].float()
+            out[f"{name}.weight"] = (values - 8) * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(group, 1)
+        else:
+            out[f"{name}.weight"] = q.float() * scales[:, None]
+    return out
+
+
+def hf_twin_of(checkpoint_path, tmp_path):
+    """transformers' model holding the dequantized weights of a quantized file, saved in tmp_path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = read_config(checkpoint_path.parent)
+    sd = dequantize(torch.load(checkpoint_path, weights_only=True))
+    args = ModelArgs.from_hf_config(config)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).eval()
+    weights = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
+               "lm_head.weight": sd["output.weight"]}
+    for i in range(args.n_layer):
+        weights.update(export_layer(sd, f"layers.{i}.", f"model.layers.{i}.", args))
+    hf.config.tie_word_embeddings = False  # the int8 lm_head is its own copy of the embedding
+    hf.lm_head.weight = torch.nn.Parameter(weights.pop("lm_head.weight"))
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    assert not unexpected and all("lm_head" in k or "rotary" in k for k in missing), (missing, unexpected)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_linear_equals_dequantize_then_matmul(mode, groupsize, dtype):
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 256) * 0.05, torch.randn(96)
+    names = ["l.weight", "l.scales"] + (["l.zeros"] if mode == "int4" else [])
+    stored = dict(zip(names, quantize.quantize_int8(w) if mode == "int8" else quantize.quantize_int4(w, groupsize)))
+    deq = dequantize(stored)["l.weight"]
+    # round to nearest: within half a step of the weight (a zero point in bf16 may add its own rounding)
+    step = stored["l.scales"].float()
+    step = step[:, None] if mode == "int8" else step.repeat_interleave(groupsize, 1)
+    assert ((w - deq).abs() <= step / 2 + 1e-3 * w.abs().amax()).all()
+    assert (w - deq).abs().max() < (0.004 if mode == "int8" else 0.02)
+    holder = torch.nn.Module()
+    with torch.device("meta"):
+        holder.l = torch.nn.Linear(256, 96)
+        use_quantized_linears(holder, stored)
+    holder.load_state_dict({**stored, "l.bias": bias}, assign=True)
+    holder = holder.to(dtype)
+    pack_quantized(holder)
+    assert isinstance(holder.l, Int8Linear if mode == "int8" else Int4Linear)
+    for m in (1, 17, 60):
+        x = torch.randn(2, m, 256)
+        want = x @ deq.T + bias
+        got = holder.l(x.to(dtype)).float()
+        tol = 1e-4 if dtype == torch.float32 else 3e-2 * want.abs().max()
+        assert got.shape == want.shape and (got - want).abs().max() <= tol
+
+
+@pytest.mark.parametrize("kind", ["llama31", "qwen2"])  # GQA + llama3 rope scaling; q/k/v bias + tied embeddings
+@pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
+def test_quantized_target_matches_transformers_on_dequantized_weights(checkpoints, tmp_path, capsys, kind, mode,
+                                                                      groupsize):
+    path, _ = checkpoints(kind)
+    out_path = quantize_cli(path / "model.pth", mode, groupsize, "--overwrite")
+    assert out_path.name == ("model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth")
+    assert capsys.readouterr().out.count("quantized layers.") == 2  # progress, layer by layer
+    model = load_target(out_path, "cpu", "fp32", 64)
+    assert model.quantization["mode"] == mode and model.quantization["groupsize"] == groupsize
+    assert isinstance(model.output, Int8Linear)  # the lm_head is int8 in both modes, tied or not
+    linear = Int8Linear if mode == "int8" else Int4Linear
+    assert isinstance(model.layers[0].attention.wqkv, linear) and isinstance(model.layers[1].feed_forward.w2, linear)
+    hf = hf_twin_of(out_path, tmp_path)
+    tokens = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 2, 30]])
+    pos = torch.arange(tokens.shape[1])
+    with torch.no_grad():
+        ours, _ = model(tokens, pos, pos, model_module.causal_mask(pos, tokens.shape[1]))
+        want = hf(tokens).logits
+    assert (ours - want).abs().max() < 1e-4
+
+
+def test_weight_bytes_count_quantized_bytes_as_stored(checkpoints):
+    """A Linear reads its values, scales and zeros (fp32 on CPU); an untied embedding one row."""
+    path, _ = checkpoints("llama2")
+    a = ModelArgs.from_checkpoint_dir(path)
+    linears = [(3 * a.dim, a.dim), (a.dim, a.dim), (2 * a.intermediate_size, a.dim), (a.dim, a.intermediate_size)]
+    norms = (2 * a.n_layer + 1) * a.dim * 4
+    embedding_row, lm_head = a.dim * 4, (a.vocab_size * a.dim, a.vocab_size * 4)
+    int8 = a.n_layer * sum(n * k + 4 * n for n, k in linears) + sum(lm_head) + norms + embedding_row
+    int4 = a.n_layer * sum(n * k // 2 + 2 * 4 * n * k // 32 for n, k in linears) + sum(lm_head) + norms + embedding_row
+    for mode, groupsize, expected in [("int8", 0, int8), ("int4", 32, int4)]:
+        model = load_target(quantize_cli(path / "model.pth", mode, groupsize, "--overwrite"), "cpu", "fp32")
+        assert weight_bytes(model) == expected
+
+
+@pytest.fixture(scope="module")
+def quantized_pairs(tmp_path_factory):
+    """(mode, groupsize, head kind) -> (quantized target path, head path): a partly wrong EAGLE-1/2 head
+    (int8 itself) and an EAGLE-3 head missing 8 of 48 tokens from its draft vocabulary."""
+    pairs = {}
+    target, head, _ = make_agreeing_pair(tmp_path_factory.mktemp("q_eagle"), wrong_fraction=0.3)
+    target3, head3 = make_agreeing_eagle3_pair(tmp_path_factory.mktemp("q_eagle3"), missing=8)
+    for path in (target, head, target3, head3):
+        convert(path)
+    head_int8 = quantize_cli(head / "draft.pth", "int8")
+    for mode, groupsize in MODES[:2]:
+        pairs[mode, groupsize, "eagle"] = (quantize_cli(target / "model.pth", mode, groupsize), head_int8)
+        pairs[mode, groupsize, "eagle3"] = (quantize_cli(target3 / "model.pth", mode, groupsize), head3 / "draft.pth")
+    return pairs
+
+
+def prompts(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
+@pytest.mark.parametrize("head,draft_vocab", [("eagle", None), ("eagle", 40), ("eagle3", None)],
+                         ids=["eagle", "eagle-draft_vocab", "eagle3"])
+def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tmp_path, mode, groupsize, head,
+                                                             draft_vocab):
+    target_path, head_path = quantized_pairs[mode, groupsize, head]
+    model = load_target(target_path, "cpu", "fp32", 256)
+    vocab_file = None
+    if draft_vocab:  # the head may propose only 40 of the 64 tokens: rows of the int8 lm_head
+        vocab_file = tmp_path / "draft_vocab.json"
+        vocab_file.write_text('{"token_ids": %s}' % torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab].tolist())
+    draft = load_draft(head_path, model, vocab_file)
+    if draft_vocab:
+        assert isinstance(draft.vocab_lm_head, Int8Linear) and draft.vocab_lm_head.out_features == draft_vocab
+    if head == "eagle":
+        assert isinstance(draft.fc, Int8Linear) and isinstance(draft.layer.feed_forward.w13, Int8Linear)
+    lengths = []
+    for prompt in prompts(model.args.vocab_size, 6):
+        plain = generate.generate(model, prompt, 40, GREEDY)
+        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        assert spec.tokens == plain.tokens
+        lengths += spec.accept_lengths
+    tau = sum(lengths) / len(lengths)
+    print(f"{mode} g{groupsize} {head} draft_vocab={draft_vocab}: tau {tau:.2f}, lengths {sorted(set(lengths))}")
+    assert tau >= (1.3 if draft_vocab else 2.0) and len(set(lengths)) >= 3  # deep, varied paths through the quantized verify
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
+def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    target_path, head_path = quantized_pairs[mode, groupsize, "eagle"]
+    model = load_target(target_path, "cpu", "fp32", 128)
+    draft = load_draft(head_path, model)
+    tree = TreeConfig(depth=3, topk=3, total_tokens=10)
+    step = generate.compile_step(generate.speculative_cycle, "cpu")
+    lengths = set()
+    for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+        eager = generate.generate(model, prompt, 30, GREEDY, draft=draft, tree=tree)
+        compiled = generate.generate(model, prompt, 30, GREEDY, draft=draft, tree=tree, step_fn=step)
+        assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
+        lengths |= set(compiled.accept_lengths[:-1])
+    assert len(lengths) >= 2
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
+def test_speculative_sampling_on_quantized_target_matches_its_distribution(tmp_path, mode, groupsize):
+    """The chi-square check of test_sampling.py, the exact distribution enumerated by transformers on the
+    dequantized weights of the quantized target."""
+    from test_sampling import VOCAB, chi_square_p_below, exact_distribution, speculative_samples
+    target, head, _ = make_agreeing_pair(tmp_path, vocab=VOCAB, hidden=32, alpha=2.5, layer_scale=20.0,
+                                         lm_head_noise=1.0)
+    convert(target), convert(head)
+    quantized = quantize_cli(target / "model.pth", mode, groupsize)
+    hf_twin_of(quantized, tmp_path / "twin")
+    model = load_target(quantized, "cpu", "fp32", 64)
+    draft = load_draft(head / "draft.pth", model)
+    sampling = SamplingConfig(temperature=0.9, top_k=6)
+    counts = speculative_samples(model, draft, sampling)
+    assert not chi_square_p_below(counts, exact_distribution(tmp_path / "twin", sampling))
+
+
+def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
+    path, _ = checkpoints("llama2")  # hidden 64, intermediate 96: groupsize 64 does not divide 96
+    model_pth = path / "model.pth"
+    expect_error(["--checkpoint_path", str(model_pth), "--mode", "int3"], "invalid choice", main=quantize.main)
+    expect_error(["--checkpoint_path", str(model_pth), "--mode", "int4", "--groupsize", "100"], "invalid choice",
+                 main=quantize.main)
+    expect_error(["--checkpoint_path", str(model_pth), "--mode", "int8", "--groupsize", "64"], "is for --mode int4",
+                 main=quantize.main)
+    expect_error(["--checkpoint_path", str(model_pth), "--mode", "int4", "--groupsize", "64", "--overwrite"],
+                 "does not divide the input width 96 of layers.0.feed_forward.w2", main=quantize.main)
+    expect_error(["--checkpoint_path", str(tmp_path / "nope.pth"), "--mode", "int8"], "checkpoint not found",
+                 main=quantize.main)
+    out = quantize_cli(model_pth, "int8", 0, "--overwrite")
+    before = out.read_bytes()
+    expect_error(["--checkpoint_path", str(model_pth), "--mode", "int8"], "exists; give --overwrite",
+                 main=quantize.main)
+    assert out.read_bytes() == before  # the user's file is untouched
+    expect_error(["--checkpoint_path", str(out), "--mode", "int4"], "already quantized (int8)", main=quantize.main)
+
+    # an output folder that cannot be written is refused before any layer is quantized
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    with monkeypatch.context() as m:
+        m.setattr(quantize.tempfile, "TemporaryDirectory", refuse)
+        expect_error(["--checkpoint_path", str(model_pth), "--mode", "int4", "--groupsize", "32", "--overwrite"],
+                     "cannot write", main=quantize.main)
+
+    # a file from a newer format, and a torch without the int4 kernel, when loading
+    sd = torch.load(out, weights_only=True)
+    sd[QUANT_KEY]["format_version"] = 99
+    newer = path / "model_newer.pth"
+    torch.save(sd, newer)
+    base = ["--device", "cpu", "--prompt", "w5", "--max_new_tokens", "2"]
+    expect_error(["--checkpoint_path", str(newer), *base], "format version 99, newer than this eaglet reads")
+    int4 = quantize_cli(model_pth, "int4", 32, "--overwrite")
+    monkeypatch.setitem(model_module.INT4_KERNELS, "cpu", ("_no_such_pack", "_no_such_mm"))
+    expect_error(["--checkpoint_path", str(int4), *base], "has no int4 kernel for cpu")
+
+
+def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path):
+    import json
+    target_path, head_path = quantized_pairs["int4", 32, "eagle"]
+    argv = ["--checkpoint_path", str(target_path), "--device", "cpu", "--prompt", "w5 w9 w11", "--max_new_tokens", "24"]
+    generate.main(argv + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
+    generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
+    spec, plain = (json.loads((tmp_path / f).read_text()) for f in ("spec.json", "plain.json"))
+    assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
