@@ -43,7 +43,7 @@ def test_reordered_full_vocabulary_keeps_every_acceptance(pair, tmp_path):
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
     shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     draft = load_draft(head_dir / "draft.pth", model, write_vocab(tmp_path / "v.json", shuffled))
-    assert draft.vocab_size == 64 and draft.vocab_lm_head.shape == (64, 64)
+    assert draft.vocab_size == 64 and draft.vocab_lm_head.weight.shape == (64, 64)
     full = run(model, load_draft(head_dir / "draft.pth", model), PROMPTS)
     assert full > 7 and run(model, draft, PROMPTS) == full
 

@@ -71,7 +71,7 @@ def test_draft_vocab_of_the_demo_tokens_drafts_the_same(held_out_prompts):
     head.setup_caches(256)
     full = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
     head.restrict_vocab(target, torch.arange(target_config["tokenizer_vocab_size"]))
-    assert head.lm_head_weight(target).shape[0] == 4096 < target.args.vocab_size
+    assert head.lm_head_module(target).weight.shape[0] == 4096 < target.args.vocab_size
     restricted = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
     assert restricted.tokens == full.tokens and restricted.accept_lengths == full.accept_lengths
 
