@@ -552,13 +552,18 @@ class Transformer(nn.Module):
             raise EagletError(f"checkpoint not found: {checkpoint_path} "
                               "(run convert_hf_checkpoint.py --checkpoint_dir on its folder first)")
         args = ModelArgs.from_checkpoint_dir(checkpoint_path.parent)
+        return cls.from_state_dict(args, load_state_dict(checkpoint_path), device, dtype, str(checkpoint_path))
+
+    @classmethod
+    def from_state_dict(cls, args: ModelArgs, state_dict: dict, device="cpu", dtype=torch.float32,
+                        where: str = "the state dict") -> "Transformer":
+        """The model of these weights (as saved, or as quantize.py writes them) on device in dtype."""
         with torch.device("meta"):
             model = cls(args)
-        state_dict = load_state_dict(checkpoint_path)
-        model.quantization = pop_quantization(state_dict, checkpoint_path)
+        state_dict = dict(state_dict)
+        model.quantization = pop_quantization(state_dict, where)
         if "fc.weight" in state_dict:
-            raise EagletError(f"{checkpoint_path} is an EAGLE draft head, not a target model "
-                              "(give it as --draft_checkpoint_path)")
+            raise EagletError(f"{where} is an EAGLE draft head, not a target model (give it as --draft_checkpoint_path)")
         if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
             state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
         with torch.device("meta"):
@@ -566,7 +571,7 @@ class Transformer(nn.Module):
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
-            raise EagletError(f"{checkpoint_path} does not match its config.json: {mismatch_detail(e)}")
+            raise EagletError(f"{where} does not match its config.json: {mismatch_detail(e)}")
         if args.tie_word_embeddings and isinstance(model.output, nn.Linear):
             model.output.weight = model.tok_embeddings.weight
         model = model.to(device=device, dtype=dtype).eval()

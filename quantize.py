@@ -120,6 +120,29 @@ def layer_groups(names) -> dict:
     return groups
 
 
+def quantization_record(mode: str, groupsize: int, source: str) -> dict:
+    return {"format_version": QUANT_FORMAT_VERSION, "mode": mode, "groupsize": groupsize if mode == "int4" else 0,
+            "lm_head": "int8", "source": source}
+
+
+def quantized_layers(state_dict: dict, mode: str, groupsize: int):
+    """(layer name, its tensors quantized) one decoder layer at a time, the rest (embeddings, norm, lm_head)
+    first. A tied lm_head (no output.weight beside tok_embeddings.weight) gets its own int8 copy."""
+    if "tok_embeddings.weight" in state_dict and "output.weight" not in state_dict:
+        state_dict = {**state_dict, "output.weight": state_dict["tok_embeddings.weight"]}
+    check_shapes(state_dict, mode, groupsize)
+    for key, names in layer_groups(state_dict).items():
+        yield key, quantize_group({n: state_dict[n] for n in names}, mode, groupsize)
+
+
+def quantize_state_dict(state_dict: dict, mode: str, groupsize: int = 128) -> dict:
+    """All of it in memory (on the tensors' device), record included: for tools that quantize what they built."""
+    out = {QUANT_KEY: quantization_record(mode, groupsize, "memory")}
+    for _, tensors in quantized_layers(state_dict, mode, groupsize):
+        out.update(tensors)
+    return out
+
+
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwrite: bool = False, log=print) -> Path:
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
@@ -134,20 +157,16 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
                           f"{'' if record.get('mode') != 'int4' else ' g' + str(record.get('groupsize'))}): "
                           "quantize the bf16 / fp32 checkpoint it came from")
     source_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-    if "tok_embeddings.weight" in state_dict and "output.weight" not in state_dict:
-        state_dict["output.weight"] = state_dict["tok_embeddings.weight"]  # tied: the lm_head gets an int8 copy
-    check_shapes(state_dict, mode, groupsize)
+    check_shapes(state_dict, mode, groupsize)  # before the output folder is touched
     try:  # the temporary folder beside the output: a failed write leaves no partial file, and os.replace works
         with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".eaglet-quantize-") as tmp_dir:
-            out = {QUANT_KEY: {"format_version": QUANT_FORMAT_VERSION, "mode": mode,
-                               "groupsize": groupsize if mode == "int4" else 0,
-                               "lm_head": "int8", "source": checkpoint_path.name}}
-            groups = layer_groups(state_dict)
-            for i, (key, names) in enumerate(groups.items()):
-                t0 = time.perf_counter()
-                quantized = quantize_group({n: state_dict[n] for n in names}, mode, groupsize)
+            out = {QUANT_KEY: quantization_record(mode, groupsize, checkpoint_path.name)}
+            n_groups, t0 = len(layer_groups(state_dict)), time.perf_counter()
+            for i, (key, quantized) in enumerate(quantized_layers(state_dict, mode, groupsize)):
                 out.update(spill(quantized, Path(tmp_dir), f"part{i}"))  # on disk until the final write
-                log(f"quantized {key} ({i + 1}/{len(groups)}) in {time.perf_counter() - t0:.1f} s")
+                elapsed = time.perf_counter() - t0
+                log(f"quantized {key} ({i + 1}/{n_groups}), {elapsed:.1f} s, "
+                    f"about {elapsed / (i + 1) * (n_groups - i - 1):.0f} s left")
             log(f"writing {out_path}")
             torch.save(out, Path(tmp_dir) / out_path.name)
             os.replace(Path(tmp_dir) / out_path.name, out_path)

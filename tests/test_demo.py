@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reas
 # Floors well under the measured greedy tau (tokens emitted per cycle, 60/6/10): over these 12 prompts, and
 # over 40 in demo/RECIPE.json; sampling and summation order move it a little between machines.
 TAU_FLOOR = {"head": 4.0, "head3": 2.8}  # measured: head 4.91 (4.94 over 40), head3 3.45 (3.50 over 40)
+QUANTIZED_TAU_FLOOR = {"int8": 4.0, "int4": 4.0}  # measured: int8 4.97 over 6 prompts, int4 g128 see print
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,27 @@ def test_demo_greedy_is_lossless_and_tau_stays_above_the_floor(demo, head):
     recorded = json.loads((DEMO / "RECIPE.json").read_text())["held_out"][head]["greedy"]["tau"]
     print(f"demo/{head} greedy tau on held-out code: {tau:.2f} (recorded at build time over 40 prompts: {recorded})")
     assert tau >= TAU_FLOOR[head]
+
+
+@pytest.mark.parametrize("mode,groupsize,n_prompts", [("int8", 0, 6), ("int4", 128, 2)])  # int4 is slow on CPU
+def test_quantized_demo_is_lossless_and_keeps_its_tau(demo, tmp_path, mode, groupsize, n_prompts):
+    """The demo target quantized (quantize.py), its EAGLE-1/2 head quantized to int8: speculative output equals
+    plain output of the same quantized target, and the head keeps most of its acceptance."""
+    import shutil
+    from quantize import quantize_checkpoint
+    _, prompts = demo
+    shutil.copytree(DEMO / "target", tmp_path / "target")
+    shutil.copytree(DEMO / "head", tmp_path / "head")
+    model = load_target(quantize_checkpoint(tmp_path / "target" / "model.pth", mode, groupsize or 128), "cpu", "fp32", 512)
+    draft = load_draft(quantize_checkpoint(tmp_path / "head" / "draft.pth", "int8"), model)
+    lengths = []
+    for prompt in prompts[:n_prompts]:
+        spec = generate(model, prompt, 64, SamplingConfig(), draft=draft)
+        assert spec.tokens == generate(model, prompt, 64, SamplingConfig()).tokens
+        lengths += spec.accept_lengths
+    tau = sum(lengths) / len(lengths)
+    print(f"demo {mode}{f' g{groupsize}' if groupsize else ''} target, int8 head: greedy tau {tau:.2f}")
+    assert tau >= QUANTIZED_TAU_FLOOR[mode]
 
 
 def test_demo_sampling_runs(demo):
