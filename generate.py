@@ -246,13 +246,16 @@ def time_forward(target: Transformer, n_tokens: int, repeats: int = 5) -> float:
 
 def pick_total_tokens(target: Transformer, tree: TreeConfig, tolerance: float = 0.1, log=print) -> int:
     """--total_tokens auto: the largest tree whose verify costs at most (1 + tolerance) x the smallest's.
-    While a forward is memory bound, extra tree tokens are nearly free; past that knee they cost time."""
+    While a forward is memory bound, extra tree tokens are nearly free; past that knee they cost time. The
+    forward timed is this target's in its own format: an int4 target's knee comes earlier (tinygemm reads
+    the weights again for every 16 rows), and the choice follows it."""
     largest = min(tree.max_total_tokens, target.max_seq_length)
     sizes = [n for n in AUTO_SIZES if n <= largest] or [largest]
     times = {n: time_forward(target, n) for n in sizes}
     chosen = max(n for n in sizes if times[n] <= (1 + tolerance) * times[sizes[0]])
-    log("total_tokens auto: verify " + ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in times.items())
-        + f" -> {chosen}")
+    weights = (target.quantization or {}).get("mode") or str(target.tok_embeddings.weight.dtype)[6:]
+    log(f"total_tokens auto ({weights} weights): verify "
+        + ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in times.items()) + f" -> {chosen}")
     return chosen
 
 
@@ -403,7 +406,7 @@ def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: in
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
-    embeddings, once; quantized ones as stored: values, scales and zeros), but only one row of an embedding
+    embeddings, once; quantized ones as they are read: values, scales and zeros), but only one row of an embedding
     table that is not also an lm_head."""
     sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}

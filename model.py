@@ -563,7 +563,8 @@ class Transformer(nn.Module):
         state_dict = dict(state_dict)
         model.quantization = pop_quantization(state_dict, where)
         if "fc.weight" in state_dict:
-            raise EagletError(f"{where} is an EAGLE draft head, not a target model (give it as --draft_checkpoint_path)")
+            raise EagletError(f"{where} is an EAGLE draft head, not a target model "
+                              "(give it as --draft_checkpoint_path)")
         if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
             state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
         with torch.device("meta"):

@@ -1,7 +1,7 @@
 """Weight-only quantization of a converted target (model.pth) or draft head (draft.pth), written beside it.
 
     python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int8                 # model_int8.pth
-    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int4 --groupsize 128  # model_int4.g128.pth
+    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int4 --groupsize 128  # model_int4.g128
     python quantize.py --checkpoint_path checkpoints/org/model-eagle/draft.pth --mode int8           # draft_int8.pth
 
 int8: every Linear, symmetric, one scale per output channel. int4: the attention and MLP Linears in groups of
@@ -89,8 +89,9 @@ def check_shapes(state_dict: dict, mode: str, groupsize: int):
             continue
         layer = name.removesuffix(".weight")
         if t.shape[1] % groupsize:
+            fits = [str(g) for g in GROUPSIZES if t.shape[1] % g == 0]
             raise EagletError(f"--groupsize {groupsize} does not divide the input width {t.shape[1]} of {layer}; "
-                              f"one that divides it: {', '.join(str(g) for g in GROUPSIZES if t.shape[1] % g == 0) or 'none'}")
+                              f"one that divides it: {', '.join(fits) or 'none'}")
         if t.shape[0] % 16:
             raise EagletError(f"int4 needs output widths that are multiples of 16 (torch's CPU kernel); {layer} has "
                               f"{t.shape[0]} (int8 has no such limit)")

@@ -267,6 +267,24 @@ def make_agreeing_eagle3_pair(root: Path, vocab=48, hidden=64, n_layers=8, missi
     return root / "target", head_dir
 
 
+def check_compiled_cycle(model, draft, tree, n_tokens=30):
+    """The compiled speculative cycle decodes as eager (tokens and accepted lengths) over two prompts, in one
+    graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out)."""
+    import generate
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    step = generate.compile_step(generate.speculative_cycle, "cpu")
+    greedy, lengths = generate.SamplingConfig(), set()
+    for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+        eager = generate.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree)
+        compiled = generate.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree, step_fn=step)
+        assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
+        lengths |= set(compiled.accept_lengths[:-1])
+    assert counters["stats"]["unique_graphs"] == 1
+    return lengths
+
+
 def scripted_input(lines):
     """A stand-in for input(): returns the lines in turn, then raises EOFError like a closed terminal."""
     turns = iter(lines)

@@ -54,7 +54,8 @@ def test_quantized_demo_is_lossless_and_keeps_its_tau(demo, tmp_path, mode, grou
     _, prompts = demo
     shutil.copytree(DEMO / "target", tmp_path / "target")
     shutil.copytree(DEMO / "head", tmp_path / "head")
-    model = load_target(quantize_checkpoint(tmp_path / "target" / "model.pth", mode, groupsize or 128), "cpu", "fp32", 512)
+    target_path = quantize_checkpoint(tmp_path / "target" / "model.pth", mode, groupsize or 128)
+    model = load_target(target_path, "cpu", "fp32", 512)
     draft = load_draft(quantize_checkpoint(tmp_path / "head" / "draft.pth", "int8"), model)
     lengths = []
     for prompt in prompts[:n_prompts]:

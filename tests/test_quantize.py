@@ -7,7 +7,7 @@ import torch
 import generate
 import model as model_module
 import quantize
-from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair
+from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair
 from convert_hf_checkpoint import convert, export_layer
 from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
 from model import QUANT_KEY, Int4Linear, Int8Linear, ModelArgs, pack_quantized, read_config, use_quantized_linears
@@ -35,7 +35,8 @@ def dequantize(state_dict: dict) -> dict:
             values[:, 0::2], values[:, 1::2] = (q >> 4).float(), (q & 15).float()
             group = values.shape[1] // scales.shape[1]
             zeros = state_dict[f"{name}.zeros"].float()
-            out[f"{name}.weight"] = (values - 8) * scales.repeat_interleave(group, 1) + zeros.repeat_interleave(group, 1)
+            scales, zeros = scales.repeat_interleave(group, 1), zeros.repeat_interleave(group, 1)
+            out[f"{name}.weight"] = (values - 8) * scales + zeros
         else:
             out[f"{name}.weight"] = q.float() * scales[:, None]
     return out
@@ -157,7 +158,8 @@ def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tm
     vocab_file = None
     if draft_vocab:  # the head may propose only 40 of the 64 tokens: rows of the int8 lm_head
         vocab_file = tmp_path / "draft_vocab.json"
-        vocab_file.write_text('{"token_ids": %s}' % torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab].tolist())
+        kept = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:draft_vocab]
+        vocab_file.write_text('{"token_ids": %s}' % kept.tolist())
     draft = load_draft(head_path, model, vocab_file)
     if draft_vocab:
         assert isinstance(draft.vocab_lm_head, Int8Linear) and draft.vocab_lm_head.out_features == draft_vocab
@@ -171,27 +173,16 @@ def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tm
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
     print(f"{mode} g{groupsize} {head} draft_vocab={draft_vocab}: tau {tau:.2f}, lengths {sorted(set(lengths))}")
-    assert tau >= (1.3 if draft_vocab else 2.0) and len(set(lengths)) >= 3  # deep, varied paths through the quantized verify
+    # deep and varied paths through the quantized verify (measured: 2.60 / 1.93 with 40 of 64 tokens / 4.50)
+    assert tau >= (1.5 if draft_vocab else 2.2) and len(set(lengths)) >= 5
 
 
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
 def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize):
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
     target_path, head_path = quantized_pairs[mode, groupsize, "eagle"]
     model = load_target(target_path, "cpu", "fp32", 128)
-    draft = load_draft(head_path, model)
-    tree = TreeConfig(depth=3, topk=3, total_tokens=10)
-    step = generate.compile_step(generate.speculative_cycle, "cpu")
-    lengths = set()
-    for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
-        eager = generate.generate(model, prompt, 30, GREEDY, draft=draft, tree=tree)
-        compiled = generate.generate(model, prompt, 30, GREEDY, draft=draft, tree=tree, step_fn=step)
-        assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
-        lengths |= set(compiled.accept_lengths[:-1])
-    assert len(lengths) >= 2
-    assert counters["stats"]["unique_graphs"] == 1
+    draft = load_draft(head_path, model)  # int8 itself
+    assert len(check_compiled_cycle(model, draft, TreeConfig(depth=3, topk=3, total_tokens=10))) >= 2
 
 
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
