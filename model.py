@@ -282,8 +282,12 @@ def use_quantized_linears(module: nn.Module, state_dict: dict):
             continue
         bias = linear.bias is not None
         if f"{name}.zeros" in state_dict:
-            n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 1
-            new = Int4Linear(linear.in_features, linear.out_features, linear.in_features // n_groups, bias)
+            n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 0
+            groupsize = linear.in_features // n_groups if n_groups else 0
+            if groupsize not in (32, 64, 128, 256) or groupsize * n_groups != linear.in_features:
+                raise EagletError(f"{name}: {tuple(scales.shape)} int4 scales do not make groups of 32, 64, 128 or "
+                                  f"256 of its {linear.in_features} input channels (a damaged file?)")
+            new = Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
         else:
             new = Int8Linear(linear.in_features, linear.out_features, bias)
         parent, _, child = name.rpartition(".")

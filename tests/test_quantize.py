@@ -249,3 +249,37 @@ def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path):
     generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
     spec, plain = (json.loads((tmp_path / f).read_text()) for f in ("spec.json", "plain.json"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+
+
+def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
+    """train_draft.py reads an int4 target's features; an EAGLE-3 head starts from its int8 lm_head's rows
+    (dequantized), trains, converts, and decodes losslessly on that target."""
+    import json
+
+    import train_draft
+    from convert_hf_checkpoint import main as convert_main
+    from test_train_draft import corpus
+    target_dir, _ = checkpoints("llama8")
+    int4 = quantize_cli(target_dir / "model.pth", "int4", 32, "--overwrite")
+    out = tmp_path / "head3"
+    argv = ["--checkpoint_path", str(int4), "--data", str(corpus(tmp_path / "corpus.txt")), "--out_dir", str(out),
+            "--head", "eagle3", "--device", "cpu", "--batch_size", "4", "--seq_len", "32", "--unroll_steps", "2",
+            "--lr", "3e-3", "--steps", "8"]
+    train_draft.main(argv)
+    assert (out / "model.safetensors").is_file()
+    convert_main(["--checkpoint_dir", str(out)])
+    base = ["--checkpoint_path", str(int4), "--device", "cpu", "--prompt", "w3 w4 w5 w6", "--max_new_tokens", "30"]
+    generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
+    generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
+    plain, spec = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "spec"))
+    assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+
+
+def test_a_damaged_int4_file_is_refused_by_name(checkpoints, tmp_path):
+    path, _ = checkpoints("llama2")
+    sd = torch.load(quantize_cli(path / "model.pth", "int4", 32, "--overwrite"), weights_only=True)
+    scales = sd["layers.0.attention.wo.scales"]
+    sd["layers.0.attention.wo.scales"] = torch.cat([scales, scales[:, :1]], dim=1)  # 3 groups of 64 inputs
+    torch.save(sd, path / "model_damaged.pth")
+    expect_error(["--checkpoint_path", str(path / "model_damaged.pth"), "--device", "cpu", "--prompt", "w5"],
+                 "layers.0.attention.wo: (64, 3) int4 scales do not make groups")
