@@ -1,16 +1,24 @@
 """Check and measure a GPU in one command: the environment, the attention kernel of every call the cycle
 makes, compiled == eager, CUDA-graph skips and recompilations, then the demo inflated to LLaMA-2-7B and
-LLaMA-3-8B shapes: plain decoding against the copy bandwidth, one EAGLE-2 cycle against its bytes floor,
-and plain vs EAGLE-2 vs transformers' generate on the same weights (real acceptance: the demo's).
+LLaMA-3-8B shapes, in each weight format of --formats side by side (bf16, and int8 / int4 quantized in
+memory from it): plain decoding against the copy bandwidth, one EAGLE-2 cycle against its bytes floor (the
+first format of the first shape), plain vs EAGLE-2 end to end on the same weights (real acceptance: the
+demo's, through each format's rounding), the weight bytes a token costs, and the tree size
+--total_tokens auto picks for that format.
 
     python scripts/gpu_check.py --out gpu_results --quick     # a first, short call: environment and checks
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
+    python scripts/gpu_check.py --out g7 --skip_checks --skip_cycle_table --shapes llama2-7b --budget_s 330
+    python scripts/gpu_check.py --out gk --quick --skip_checks --linear_kernels --int4_13b
 
-Results are written after every section (OUT/results.json and OUT/results.md), so a crash or a timeout
-keeps what was measured; a failing section is recorded with its error and the next one runs. Sections
-that would start after --budget_s are skipped and say so. On a CPU (--device cpu) the same code runs as
-a smoke test on the reduced shape.
+--linear_kernels times one bf16 / int8 / int4 g128 Linear of the 7B shape at 1 to 64 rows (does a kernel
+read its weights once, or once per tile of rows?); --int4_13b runs LLaMA-2-13B's shape in int4 g128 and
+records its peak GPU memory (does it fit in 24 GB?). Results are written after every section
+(OUT/results.json and OUT/results.md), so a crash or a timeout keeps what was measured; a failing section
+is recorded with its error and the next one runs. Sections that would start after --budget_s are skipped
+and say so. On a CPU (--device cpu) the same code runs as a smoke test on reduced shapes.
 """
+import gc
 import json
 import logging
 import math
@@ -30,13 +38,25 @@ from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate  # noqa: E402
 import model  # noqa: E402
-from model import EagletError, causal_mask, attention_mask, decode_block_mask, sdpa_inputs  # noqa: E402
+from model import (QUANT_KEY, EagletError, Transformer, attention_mask, causal_mask, decode_block_mask,  # noqa: E402
+                   pack_quantized, sdpa_inputs, use_quantized_linears)
+from quantize import GROUPSIZES, quantize_state_dict  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 REDUCED = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
                num_key_value_heads=2, head_dim=128, max_position_embeddings=8192)  # as tests/test_inflate.py
 GREEDY = SamplingConfig()
 PROMPT = "def read_lines(path):\n"
+# weight formats: None = the inflated weights as they are (bf16 on CUDA, fp32 on CPU); (mode, groupsize)
+FORMATS = {"bf16": None, "int8": ("int8", 0), "int4": ("int4", 128),
+           **{f"int4.g{g}": ("int4", g) for g in GROUPSIZES}}
+# linear kernels by rows: LLaMA-2-7B's matrices (out x in) on CUDA, one tiny one as a CPU smoke test
+LINEAR_SHAPES = {"cuda": {"4096x4096 (wqkv part, wo)": (4096, 4096), "11008x4096 (w1, w3)": (11008, 4096),
+                          "4096x11008 (w2)": (4096, 11008)},
+                 "cpu": {"64x128 (CPU smoke test)": (64, 128)}}
+LINEAR_ROWS = {"cuda": (1, 16, 17, 32, 48, 60, 64), "cpu": (1, 16, 17)}
+L2_SPILL_BYTES = 256 << 20  # weights timed in one graph: several times an H100's 50 MB L2, so none is re-read from it
+INT4_13B_CACHE = 2048  # KV cache slots of the 13B int4 run
 
 
 class Report:
@@ -179,30 +199,236 @@ def cache_size_check(target, n_ctx: int = 256, repeats: int = 50) -> dict:
     return rows
 
 
-def measure_shape(name: str, shape: dict, device: str, dtype, prompt: list, args, full: bool) -> dict:
-    """The inflated demo in one shape: plain decoding, a cycle (phase by phase if full), side by side."""
-    target, draft, _, _ = inflate(DEMO_DIR, shape, device, dtype)
+def release_memory(device: str):
+    """Drop every compiled graph (each format compiles its own; CUDA-graph pools hold memory, and dynamo's
+    cache per function is bounded) and the blocks of freed models."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def format_target(source: Transformer, fmt: str) -> Transformer:
+    """source itself for bf16; else its weights quantized in memory, on its device, activations in its dtype."""
+    if FORMATS[fmt] is None:
+        return source
+    mode, groupsize = FORMATS[fmt]
+    weight = source.tok_embeddings.weight
+    return Transformer.from_state_dict(source.args, quantize_state_dict(source.state_dict(), mode, groupsize),
+                                       weight.device, weight.dtype, f"the {fmt} weights")
+
+
+def eagle_bytes(target, draft, tree: TreeConfig, side: dict) -> dict:
+    """EAGLE-2 end to end, and the weight bytes a token costs: a cycle's (the target once, the head and the
+    lm_head it scores with depth + 1 times) over the tokens a cycle emits (tau)."""
+    spec, plain = side["eaglet EAGLE-2"], side["eaglet plain"]
+    cycle_gb = generate.cycle_weight_bytes(target, draft, tree) / 1e9
+    per_token_gb = cycle_gb / (spec["tau"] or 1)  # no tau: the run stopped at the first token
+    return {"tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"],
+            "same_tokens_as_plain": spec["same_tokens_as_plain"],
+            "over_plain_end_to_end": spec["tokens_per_s"] / plain["tokens_per_s"],
+            "plain_end_to_end_tokens_per_s": plain["tokens_per_s"], "cycle_weight_GB": cycle_gb,
+            "weight_GB_per_token": per_token_gb, "GB_per_s": per_token_gb * spec["tokens_per_s"]}
+
+
+def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt: list, args, first: bool) -> dict:
+    """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
+    end to end, and the tree size --total_tokens auto picks (verify costs differ by format)."""
+    target = format_target(source, fmt)
     target.setup_caches(1, args.max_seq_length)
-    draft.setup_caches(args.max_seq_length)
+    target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
-    copy_bw = bench.copy_bandwidth(device)
-    out = {"weights_GB": generate.weight_bytes(target) / 1e9}
+    precision = str(target.tok_embeddings.weight.dtype).removeprefix("torch.")
+    out = {"weights": bench.weights_format(target.quantization, precision),
+           "weights_GB": generate.weight_bytes(target) / 1e9}
     if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
         # the first ids hold all of the demo's tokens (the rows past them never win), so the drafts are the
         # same as with the whole vocabulary: this measures FR-Spec's cost, not its effect on acceptance
-        draft.restrict_vocab(target, torch.arange(args.draft_vocab))
+        draft.restrict_vocab(target, torch.arange(args.draft_vocab))  # rows of this format's lm_head
         out["draft_vocab"] = args.draft_vocab
     out["plain"] = bench.bench_plain(target, True, copy_bw, args.repeats)
     if args.plain_only:
         return out
-    step_s = out["plain"]["step_ms"] / 1e3
-    if full:
+    device = str(target.output.weight.device)
+    if first and not args.skip_cycle_table:
+        step_s = out["plain"]["step_ms"] / 1e3
         out["cycle"] = bench.bench_cycle(target, draft, tree, True, args.repeats, step_s, copy_bw)
     step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
                 "spec": generate.compile_step(generate.speculative_cycle, device)}
-    out["side_by_side"] = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, full, prompt)
-    out["total_tokens_auto"] = generate.pick_total_tokens(target, tree, log=lambda s: None)
+    with_hf = first and args.hf and target.quantization is None
+    out["side_by_side"] = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, with_hf, prompt)
+    out["EAGLE-2"] = eagle_bytes(target, draft, tree, out["side_by_side"])
+    timings = []
+    out["total_tokens_auto"] = generate.pick_total_tokens(target, tree, log=timings.append)
+    out["total_tokens_auto_log"] = timings[-1]  # the verify's ms at each tree size
     return out
+
+
+def format_row(result: dict) -> dict:
+    """One format's line of the side-by-side table (or why it has none)."""
+    if "plain" not in result:
+        return {k: result[k] for k in ("skipped", "error") if k in result}
+    plain = result["plain"]
+    row = {"weights": result["weights"], "weights_GB": result["weights_GB"], "plain_step_ms": plain["step_ms"],
+           "plain_tokens_per_s": plain["tokens_per_s"], "plain_GB_per_s": plain["GB_per_s"],
+           "plain_fraction_of_copy": plain["fraction_of_copy_bandwidth"]}
+    if "EAGLE-2" in result:
+        spec = result["EAGLE-2"]
+        row.update({"eagle2_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"],
+                    "eagle2_same_tokens_as_plain": spec["same_tokens_as_plain"],
+                    "eagle2_over_plain_end_to_end": spec["over_plain_end_to_end"],
+                    "eagle2_weight_GB_per_token": spec["weight_GB_per_token"], "eagle2_GB_per_s": spec["GB_per_s"],
+                    "total_tokens_auto": result["total_tokens_auto"]})
+    return row
+
+
+def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, prompt: list, args, first: bool) -> dict:
+    """The inflated demo in one shape, each of --formats in its own section (written as it is measured,
+    models freed between them); returns the formats side by side. The bf16 weights stay: the source of the
+    quantized ones."""
+    source, draft, _, _ = inflate(DEMO_DIR, shape, device, dtype)
+    draft.setup_caches(args.max_seq_length)
+    copy_bw = bench.copy_bandwidth(device)
+    rows = {}
+    for i, fmt in enumerate(args.formats):
+        result = report.section(f"{name} {fmt} (inflated demo)", measure_format, source, draft, fmt, copy_bw, prompt,
+                                args, first and i == 0)
+        rows[fmt] = format_row(result)
+        release_memory(device)
+    return rows
+
+
+def random_weights(name: str, out_features: int, in_features: int, mode, groupsize: int, device: str, dtype) -> dict:
+    """NAME.weight of random values, as stored: in dtype, or quantized (NAME.weight, .scales[, .zeros])."""
+    stored = {f"{name}.weight": (torch.randn(out_features, in_features, device=device) * 0.02).to(dtype)}
+    if mode is None:
+        return stored
+    quantized = quantize_state_dict(stored, mode, groupsize)
+    quantized.pop(QUANT_KEY)
+    return quantized
+
+
+def linear_copies(kind: str, out_features: int, in_features: int, device: str, dtype) -> torch.nn.ModuleList:
+    """Linears of random weights of this kind ("linear", "int8", "int4": g128), built as a model builds them,
+    in enough distinct copies that their weights together spill the L2 cache (on CUDA)."""
+    mode, groupsize = {"linear": (None, 0), "int8": ("int8", 0), "int4": ("int4", 128)}[kind]
+    state = random_weights("0", out_features, in_features, mode, groupsize, device, dtype)
+    layer_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    copies = min(64, -(-L2_SPILL_BYTES // layer_bytes)) if device == "cuda" else 2
+    for i in range(1, copies):
+        state.update(random_weights(str(i), out_features, in_features, mode, groupsize, device, dtype))
+    with torch.device("meta"):
+        layers = torch.nn.ModuleList(torch.nn.Linear(in_features, out_features, bias=False) for _ in range(copies))
+        use_quantized_linears(layers, state)
+    layers.load_state_dict(state, assign=True)
+    layers = layers.to(device=device, dtype=dtype)  # float tensors (scales) in the activations' dtype, as a model's
+    pack_quantized(layers)
+    return layers
+
+
+def call_each(layers, x):
+    """Each Linear on its own rows of x [copies, M, in]: every call reads its own weights."""
+    return [layer(x[i]) for i, layer in enumerate(layers)]
+
+
+def seconds_per_replay(fn, device: str, repeats: int) -> float:
+    """fn timed as the compiled cycle runs it: on CUDA captured once in a CUDA graph and replayed (after the
+    compilation and warm-up calls, off the default stream as capture requires); on CPU called."""
+    fn()  # compilation
+    if device == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(), fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+    for _ in range(2):
+        fn()
+    generate.device_sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    generate.device_sync(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+@torch.no_grad()
+def linear_by_rows(kind: str, out_features: int, in_features: int, device: str, dtype, rows: tuple,
+                   repeats: int) -> dict:
+    """One kind of Linear at each row count M: ms a call, GB/s of its weight bytes (values, scales, zeros),
+    and the time over M=1's (near 1: the weights are read once; steps at 16-row tiles: read once a tile)."""
+    layers = linear_copies(kind, out_features, in_features, device, dtype)
+    layer_bytes = generate.weight_bytes(layers[0])
+    torch._dynamo.reset()  # one compiled function, one graph per M: within dynamo's limit of 8
+    compiled = torch.compile(call_each, fullgraph=True, dynamic=False)
+    out = {"copies_per_graph": len(layers), "weight_MB": layer_bytes / 1e6}
+    one_row_s = None
+    for m in rows:
+        x = torch.randn(len(layers), m, in_features, device=device, dtype=dtype)
+        seconds = seconds_per_replay(lambda: compiled(layers, x), device, repeats) / len(layers)
+        one_row_s = one_row_s or seconds  # rows start at M=1
+        out[f"M={m}"] = {"ms": seconds * 1e3, "GB_per_s": layer_bytes / seconds / 1e9, "over_M1": seconds / one_row_s}
+    return out
+
+
+def linear_kernels(device: str, dtype) -> dict:
+    """A Linear of each of LLaMA-2-7B's matrix shapes as nn.Linear (the run's dtype), Int8Linear and Int4Linear
+    g128, compiled (fullgraph), at the row counts of a decode step (1) and of verified trees (16 to 64)."""
+    precision = str(dtype).removeprefix("torch.")
+    kinds = {f"{precision} nn.Linear": "linear", "int8 Int8Linear": "int8", "int4 g128 Int4Linear": "int4"}
+    out = {"timing": "CUDA graph of one call per copy, replayed" if device == "cuda" else "compiled calls (CPU)",
+           "rows": list(LINEAR_ROWS[device])}
+    for shape_name, (out_features, in_features) in LINEAR_SHAPES[device].items():
+        out[shape_name] = {}
+        for label, kind in kinds.items():
+            out[shape_name][label] = linear_by_rows(kind, out_features, in_features, device, dtype,
+                                                    LINEAR_ROWS[device], 50 if device == "cuda" else 3)
+            release_memory(device)
+    return out
+
+
+def int4_13b(device: str, dtype, prompt: list, args) -> dict:
+    """LLaMA-2-13B's shape in int4 g128: the demo inflated in bf16, quantized in memory and moved to the host
+    (as if read from its file), the bf16 model freed; then the peak GPU memory from building the int4 target
+    on (weights, a KV cache of INT4_13B_CACHE slots, the bf16 draft head, compiled graphs, plain and EAGLE-2
+    end to end): does it fit a 24 GB card?"""
+    if device != "cuda":
+        return {"skipped": "CUDA only: a 13B model at full size is not built on a CPU"}
+    release_memory(device)
+    source, draft, _, _ = inflate(DEMO_DIR, SHAPES["llama2-13b"], device, dtype)
+    model_args = source.args
+    state = {k: v.cpu() if isinstance(v, torch.Tensor) else v
+             for k, v in quantize_state_dict(source.state_dict(), "int4", 128).items()}
+    del source
+    release_memory(device)
+    torch.cuda.reset_peak_memory_stats()
+    out = {"allocated_before_GB": torch.cuda.memory_allocated() / 1e9}  # the bf16 draft head
+    target = Transformer.from_state_dict(model_args, state, device, dtype, "the int4 g128 weights")
+    del state
+    target.setup_caches(1, INT4_13B_CACHE)
+    target.set_feature_layers(draft.feature_layers)
+    draft.setup_caches(INT4_13B_CACHE)
+    tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
+                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    side = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, False, prompt)
+    peak = torch.cuda.max_memory_allocated()
+    weights_gb = generate.weight_bytes(target) / 1e9
+    plain_tps = side["eaglet plain"]["tokens_per_s"]
+    out.update({"weights": bench.weights_format(target.quantization, "bf16"), "weights_GB": weights_gb,
+                "cache_slots": INT4_13B_CACHE, "plain_end_to_end_tokens_per_s": plain_tps,
+                "plain_end_to_end_GB_per_s": weights_gb * plain_tps, "EAGLE-2": eagle_bytes(target, draft, tree, side),
+                "peak_allocated_GB": peak / 1e9, "peak_reserved_GB": torch.cuda.max_memory_reserved() / 1e9,
+                "peak_allocated_under_24_GB": peak < 24e9})
+    return out
+
+
+def cache_size_section(shape: dict, device: str, dtype) -> dict:
+    """cache_size_check on the demo inflated to this shape (built here, freed on return)."""
+    return cache_size_check(inflate(DEMO_DIR, shape, device, dtype)[0])
 
 
 def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: list):
@@ -230,8 +456,26 @@ def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path("gpu_results"), help="folder for results.json and results.md")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="environment, kernels and compiled == eager only")
+    mode.add_argument("--quick", action="store_true",
+                      help="no shape measured: environment, attention kernels and compiled == eager, and the "
+                           "sections of --linear_kernels and --int4_13b if given")
     p.add_argument("--shapes", default="llama2-7b,llama3-8b", help="comma-separated, from " + ", ".join(SHAPES))
+    p.add_argument("--formats", default="bf16,int8,int4",
+                   help="weight formats measured side by side in each shape, from " + ", ".join(FORMATS)
+                        + " (bf16: the inflated weights, fp32 on CPU; int4: int4.g128; the lm_head is int8 in every "
+                          "quantized format)")
+    p.add_argument("--skip_checks", action="store_true",
+                   help="no reduced-shape checks (attention kernels, compiled == eager): for calls after one that "
+                        "ran them")
+    p.add_argument("--skip_cycle_table", action="store_true",
+                   help="no phase-by-phase cycle (5 more compilations) for the first format of the first shape")
+    p.add_argument("--linear_kernels", action="store_true",
+                   help="time one bf16 / int8 / int4 g128 Linear of each LLaMA-2-7B matrix shape at 1 to 64 rows "
+                        "(on CPU one tiny shape, a smoke test)")
+    p.add_argument("--int4_13b", action="store_true",
+                   help="LLaMA-2-13B's shape in int4 g128: speed and peak GPU memory (CUDA only; skipped on CPU)")
+    p.add_argument("--hf", action="store_true",
+                   help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--budget_s", type=int_flag(1), default=500, help="start no section after this many seconds")
     p.add_argument("--depth", type=int_flag(1), default=6, help="draft tree expansion steps")
@@ -254,6 +498,12 @@ def parse_args(argv=None):
         p.error("--shapes names no shape")
     if unknown:
         p.error(f"unknown --shapes {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    args.formats = list(dict.fromkeys(f.strip() for f in args.formats.split(",") if f.strip()))
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if not args.formats:
+        p.error("--formats names no format")
+    if unknown:
+        p.error(f"unknown --formats {', '.join(unknown)}; known: {', '.join(FORMATS)}")
     return args
 
 
@@ -281,19 +531,26 @@ def main(argv=None):
     report.results["setup"] = {"command": "python " + " ".join(sys.argv if argv is None else ["scripts/gpu_check.py", *argv]),
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
-                               "flex_attention": model.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all"}
+                               "flex_attention": model.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
+                               "formats": args.formats}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
-    if not args.plain_only:
+    if not (args.plain_only or args.skip_checks):
         run_checks(report, device, dtype, tree, prompt)
+    if args.linear_kernels:
+        release_memory(device)
+        report.section("linear kernels by rows", linear_kernels, device, dtype)
     if not args.quick:
         for i, name in enumerate(args.shapes):
-            report.section(f"{name} (inflated demo)", measure_shape, name, SHAPES[name], device, dtype, prompt, args,
-                           i == 0)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-        big = inflate(DEMO_DIR, SHAPES[args.shapes[-1]], device, dtype)[0]
-        report.section("plain step at context 256: 512 vs 8192 cache slots", cache_size_check, big)
+            report.section(f"{name} (inflated demo): formats side by side", measure_shape, report, name, SHAPES[name],
+                           device, dtype, prompt, args, i == 0)
+            release_memory(device)
+        report.section("plain step at context 256: 512 vs 8192 cache slots", cache_size_section,
+                       SHAPES[args.shapes[-1]], device, dtype)
+        release_memory(device)
+    if args.int4_13b:
+        report.section("llama2-13b int4 g128 (inflated demo): speed and peak memory", int4_13b, device, dtype, prompt,
+                       args)
     print((args.out / "results.md").read_text())
 
 

@@ -30,9 +30,11 @@ from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E
 from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-SHAPES = {  # the fields that make a model's cost: LLaMA-2-7B and LLaMA-3-8B
+SHAPES = {  # the fields that make a model's cost: LLaMA-2-7B, LLaMA-2-13B and LLaMA-3-8B
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=4096),
+    "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, head_dim=128, max_position_embeddings=4096),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
 }

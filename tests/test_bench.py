@@ -2,6 +2,7 @@
 recompilation."""
 import json
 
+import pytest
 import torch
 
 import bench
@@ -122,14 +123,82 @@ def test_gpu_check_plain_only_measures_a_shape_on_cpu(tmp_path, monkeypatch):
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
     monkeypatch.setitem(gpu_check.SHAPES, "small-test", {**gpu_check.REDUCED, "max_position_embeddings": 1024})
-    gpu_check.main(["--plain_only", "--device", "cpu", "--shapes", "small-test", "--out", str(tmp_path / "g"),
-                    "--repeats", "2", "--max_seq_length", "256", "--draft_vocab", "4096"])
+    gpu_check.main(["--plain_only", "--device", "cpu", "--shapes", "small-test", "--formats", "bf16",
+                    "--out", str(tmp_path / "g"), "--repeats", "2", "--max_seq_length", "256", "--draft_vocab", "4096"])
     results = json.loads((tmp_path / "g" / "results.json").read_text())
     assert not [name for name, r in results.items() if "error" in r], results
     assert "compiled vs eager (reduced shape, fp32)" not in results
-    plain = results["small-test (inflated demo)"]["plain"]
+    plain = results["small-test bf16 (inflated demo)"]["plain"]
     assert plain["tokens_per_s"] > 0 and plain["recompiles_after_warmup"] == 0
-    assert set(results["small-test (inflated demo)"]) == {"weights_GB", "plain", "section_seconds", "draft_vocab"}
+    assert set(results["small-test bf16 (inflated demo)"]) == {"weights", "weights_GB", "plain", "section_seconds",
+                                                               "draft_vocab"}
+    assert set(results["small-test (inflated demo): formats side by side"]["bf16"]) >= {"plain_step_ms", "weights_GB"}
     assert results["setup"]["draft_vocab"] == 4096
     sizes = results["plain step at context 256: 512 vs 8192 cache slots"]
     assert set(sizes) >= {"512 slots", "1024 slots"} and sizes["1024 slots"]["recompiles_after_warmup"] == 0
+
+
+def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monkeypatch):
+    """gpu_check --formats: the inflated demo in bf16 (fp32 on CPU), int8 and int4 g32 quantized in memory from
+    it, each measured in its own section and summed up side by side (EAGLE-2 == plain in each, the demo's tau
+    kept, fewer bytes per format); --linear_kernels on its tiny CPU shape (compiled); --int4_13b refused on
+    CPU. The model steps run eagerly here (compile_step patched out) so that the loop's plumbing costs
+    seconds: the compiled paths run in the two tests above, compiled quantized cycles in test_quantize.py."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    # just wider than the demo (256): the smallest shape int4 g32 takes (widths of multiples of 32, of 16 out)
+    monkeypatch.setitem(gpu_check.SHAPES, "small-test", dict(
+        vocab_size=4096, hidden_size=320, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024))
+    for module in (bench, generate):
+        monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
+    formats = ["bf16", "int8", "int4.g32"]
+    gpu_check.main(["--skip_checks", "--device", "cpu", "--shapes", "small-test", "--formats", ",".join(formats),
+                    "--linear_kernels", "--int4_13b", "--out", str(tmp_path / "g"), "--repeats", "1",
+                    "--side_tokens", "12", "--depth", "2", "--tree_topk", "3", "--total_tokens", "8",
+                    "--max_seq_length", "256"])
+    results = json.loads((tmp_path / "g" / "results.json").read_text())
+    assert not [name for name, r in results.items() if "error" in r], results
+    assert "compiled vs eager (reduced shape, fp32)" not in results  # --skip_checks
+    table = results["small-test (inflated demo): formats side by side"]
+    assert [table[f]["weights"] for f in formats] == ["float32", "int8", "int4 g32 (lm_head int8)"]
+    assert table["bf16"]["weights_GB"] > table["int8"]["weights_GB"] > table["int4.g32"]["weights_GB"]
+    for fmt in formats:
+        row = table[fmt]
+        assert row["eagle2_same_tokens_as_plain"] and row["tau"] > 1.5, (fmt, row)  # lossless, real acceptance
+        assert row["total_tokens_auto"] == 16 and 0 < row["eagle2_weight_GB_per_token"] < row["weights_GB"] * 2
+    assert "cycle" in results["small-test bf16 (inflated demo)"]  # the phase table: first format of the first shape
+    assert "cycle" not in results["small-test int8 (inflated demo)"]
+    kernels = results["linear kernels by rows"]
+    assert kernels["rows"] == [1, 16, 17]
+    (shape_rows,) = [v for k, v in kernels.items() if k.startswith("64x128")]
+    assert set(shape_rows) == {"float32 nn.Linear", "int8 Int8Linear", "int4 g128 Int4Linear"}
+    for row in shape_rows.values():
+        assert row["M=1"]["over_M1"] == 1.0 and all(row[f"M={m}"]["ms"] > 0 for m in (1, 16, 17))
+    assert "CUDA" in results["llama2-13b int4 g128 (inflated demo): speed and peak memory"]["skipped"]
+
+
+def test_gpu_check_shapes_hold_the_demo():
+    """Every shape gpu_check can measure (LLaMA-2-13B's too) has room for the demo: its layout is accepted,
+    checked on the configs alone (a 13B model is never built on a CPU; test_inflate.py decodes reduced ones)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    import inflate_demo
+    from model import ModelArgs
+    demo = ModelArgs.from_checkpoint_dir(gpu_check.DEMO_DIR / "target")
+    for name, shape in gpu_check.SHAPES.items():
+        big = ModelArgs.from_hf_config({"model_type": "llama", **shape})
+        layout = inflate_demo.Layout(demo, big)
+        assert int(layout.q_heads.max()) < big.n_head and layout.eps(demo.norm_eps) > 0, name
+    assert gpu_check.SHAPES["llama2-13b"]["hidden_size"] == 5120
+
+
+def test_gpu_check_refuses_unknown_formats(tmp_path):
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    with pytest.raises(SystemExit, match="^error: unknown --formats int3; known: bf16, int8, int4, int4.g32"):
+        gpu_check.main(["--formats", "bf16,int3", "--out", str(tmp_path / "g")])
+    assert not (tmp_path / "g").exists()
