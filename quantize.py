@@ -24,7 +24,8 @@ GROUPSIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 
 def parse_args(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth or draft.pth (bf16 / fp32)")
+    p.add_argument("--checkpoint_path", type=Path, required=True,
+                   help="model.pth or draft.pth (bf16 / fp32), or the folder holding it")
     p.add_argument("--mode", required=True, choices=["int8", "int4"], help="weight format")
     p.add_argument("--groupsize", type=int, choices=GROUPSIZES, default=None,
                    help="int4: input channels sharing one scale and zero point (default: 128)")
@@ -146,8 +147,11 @@ def quantize_state_dict(state_dict: dict, mode: str, groupsize: int = 128) -> di
 
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwrite: bool = False, log=print) -> Path:
     checkpoint_path = Path(checkpoint_path)
+    if checkpoint_path.is_dir():  # a converted folder: its model.pth, or a head folder's draft.pth
+        checkpoint_path = next((checkpoint_path / n for n in ("model.pth", "draft.pth")
+                                if (checkpoint_path / n).is_file()), checkpoint_path / "model.pth")
     if not checkpoint_path.is_file():
-        raise EagletError(f"checkpoint not found: {checkpoint_path}")
+        raise EagletError(f"checkpoint not found: {checkpoint_path} (convert_hf_checkpoint.py writes it)")
     out_path = output_path(checkpoint_path, mode, groupsize)
     if out_path.is_dir() or (out_path.exists() and not overwrite):
         raise EagletError(f"{out_path} exists{'' if out_path.is_dir() else '; give --overwrite to replace it'}")

@@ -215,6 +215,8 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
     expect_error(["--checkpoint_path", str(tmp_path / "nope.pth"), "--mode", "int8"], "checkpoint not found",
                  main=quantize.main)
     out = quantize_cli(model_pth, "int8", 0, "--overwrite")
+    out.unlink()
+    quantize.main(["--checkpoint_path", str(path), "--mode", "int8"])  # the folder: its model.pth
     before = out.read_bytes()
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int8"], "exists; give --overwrite",
                  main=quantize.main)
