@@ -67,8 +67,9 @@ import torch  # noqa: E402
 
 from draft import EagleDraft  # noqa: E402
 from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, commit,  # noqa: E402
-                      compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand, generate,
-                      load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify, weight_bytes)
+                      compile_settings, compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand,
+                      generate, load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify,
+                      weight_bytes)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -442,6 +443,7 @@ def main(argv=None):
         torch.manual_seed(0)
         target, draft = load_models(args, device)
         quantization = getattr(target, "quantization", None)
+        compile_settings(target, device)
         if args.hf and quantization:
             raise EagletError("--hf runs transformers on the same weights, which it cannot read quantized: "
                               "bench the bf16 model.pth for that row")

@@ -183,6 +183,15 @@ def compile_step(step_fn: Callable, device: str):
     return torch.compile(step_fn, mode=mode, fullgraph=True)
 
 
+def compile_settings(target: Transformer, device: str):
+    """A quantized Linear converts its weight inside the graph; inductor turns a one-row matmul over such a
+    weight into a fused GEMV (reading int8 bytes, not a bf16 copy written each step) only with
+    coordinate-descent tuning on (torch 2.13's mm decomposition), as gpt-fast sets it. bf16 targets keep
+    cuBLAS's GEMV, as measured (BENCHMARKS.md)."""
+    if str(device).startswith("cuda") and target.quantization:
+        torch._inductor.config.coordinate_descent_tuning = True
+
+
 def device_sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -692,6 +701,7 @@ def main(argv=None):
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         model, tokenizer, draft, sampling, tree, prompt = load(args)
+        compile_settings(model, args.device)
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,

@@ -182,8 +182,9 @@ QUANT_FORMAT_VERSION = 1
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The int8 weight is
-    converted inside the matmul's input, so compiled one-token decoding reads int8 bytes in a fused GEMV."""
+    """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The weight is scaled
+    inside the matmul's input (scaling the output instead overflows fp16: x @ q is 127 / max|w| times too
+    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see generate.compile_settings)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -193,8 +194,7 @@ class Int8Linear(nn.Module):
         self.bias = frozen(torch.empty(out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None], self.bias)
 
     def dequantize(self) -> Tensor:
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
@@ -233,6 +233,9 @@ class Int4Linear(nn.Module):
     def pack(self):
         device = self.weight.device.type
         convert, _ = int4_kernel(device)
+        if device == "cuda" and torch.cuda.get_device_capability(self.weight.device) < (8, 0):
+            raise EagletError(f"int4 runs on tinygemm, which needs an Ampere or newer GPU (compute capability 8.0); "
+                              f"{torch.cuda.get_device_name(self.weight.device)} is older: use int8")
         if device == "cuda":  # tinygemm: bf16 scales and zeros; inner k-tiles as wide as the width allows
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
             packed, dtype = convert(self.weight.contiguous(), inner_k_tiles), torch.bfloat16
@@ -265,11 +268,12 @@ def frozen(t: Tensor) -> nn.Parameter:
 
 
 def int4_kernel(device: str):
-    names = INT4_KERNELS.get(device)
-    ops = [getattr(torch.ops.aten, name, None) for name in names or ()]
-    if not ops or None in ops:
+    if device not in INT4_KERNELS:
+        raise EagletError(f"int4 runs on CUDA and CPU only, not on {device}: use int8")
+    ops = [getattr(torch.ops.aten, name, None) for name in INT4_KERNELS[device]]
+    if None in ops:
         raise EagletError(f"this torch ({torch.__version__}) has no int4 kernel for {device} "
-                          f"({' and '.join(names or ['none known'])}): int4 needs torch >= 2.6")
+                          f"({' and '.join(INT4_KERNELS[device])}): int4 needs torch >= 2.6")
     return ops
 
 
@@ -280,7 +284,11 @@ def use_quantized_linears(module: nn.Module, state_dict: dict):
         scales = state_dict.get(f"{name}.scales")
         if not isinstance(linear, nn.Linear) or scales is None:
             continue
-        bias = linear.bias is not None
+        bias, weight = linear.bias is not None, state_dict.get(f"{name}.weight")
+        stored = torch.uint8 if f"{name}.zeros" in state_dict else torch.int8
+        if weight is None or weight.dtype != stored:
+            raise EagletError(f"{name}: a quantized layer's weight must be {stored}, not "
+                              f"{'missing' if weight is None else weight.dtype} (a damaged file?)")
         if f"{name}.zeros" in state_dict:
             n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 0
             groupsize = linear.in_features // n_groups if n_groups else 0

@@ -1,8 +1,10 @@
 """Weight-only quantization of a converted target (model.pth) or draft head (draft.pth), written beside it.
 
-    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int8                 # model_int8.pth
-    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int4 --groupsize 128  # model_int4.g128
-    python quantize.py --checkpoint_path checkpoints/org/model-eagle/draft.pth --mode int8           # draft_int8.pth
+    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int8        # -> model_int8.pth
+    python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int4 --groupsize 128
+    python quantize.py --checkpoint_path checkpoints/org/model-eagle/draft.pth --mode int8  # -> draft_int8.pth
+
+The int4 line writes model_int4.g128.pth.
 
 int8: every Linear, symmetric, one scale per output channel. int4: the attention and MLP Linears in groups of
 --groupsize input channels, each with a scale and a zero point (asymmetric); the lm_head (the target's, or an
@@ -105,7 +107,10 @@ def quantize_group(tensors: dict, mode: str, groupsize: int) -> dict:
         layer = name.removesuffix(".weight")
         if not is_linear(name, t):
             out[name] = t
-        elif mode == "int4" and name not in LM_HEADS:
+            continue
+        if not torch.isfinite(t).all():
+            raise EagletError(f"{layer} holds NaN or infinite weights: a damaged checkpoint cannot be quantized")
+        if mode == "int4" and name not in LM_HEADS:
             out[name], out[f"{layer}.scales"], out[f"{layer}.zeros"] = quantize_int4(t, groupsize)
         else:
             out[name], out[f"{layer}.scales"] = quantize_int8(t)

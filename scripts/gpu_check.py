@@ -235,6 +235,8 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
     end to end, and the tree size --total_tokens auto picks (verify costs differ by format)."""
     target = format_target(source, fmt)
+    # as generate.compile_settings: coordinate-descent tuning for quantized weights (global: reset per format)
+    torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent or target.quantization is not None
     target.setup_caches(1, args.max_seq_length)
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
@@ -363,6 +365,7 @@ def linear_by_rows(kind: str, out_features: int, in_features: int, device: str, 
     layers = linear_copies(kind, out_features, in_features, device, dtype)
     layer_bytes = generate.weight_bytes(layers[0])
     torch._dynamo.reset()  # one compiled function, one graph per M: within dynamo's limit of 8
+    torch._inductor.config.coordinate_descent_tuning = kind != "linear"  # as generate.compile_settings runs them
     compiled = torch.compile(call_each, fullgraph=True, dynamic=False)
     out = {"copies_per_graph": len(layers), "weight_MB": layer_bytes / 1e6}
     one_row_s = None
@@ -411,6 +414,7 @@ def int4_13b(device: str, dtype, prompt: list, args) -> dict:
     target.setup_caches(1, INT4_13B_CACHE)
     target.set_feature_layers(draft.feature_layers)
     draft.setup_caches(INT4_13B_CACHE)
+    generate.compile_settings(target, device)
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
                 "spec": generate.compile_step(generate.speculative_cycle, device)}

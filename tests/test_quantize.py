@@ -285,3 +285,16 @@ def test_a_damaged_int4_file_is_refused_by_name(checkpoints, tmp_path):
     torch.save(sd, path / "model_damaged.pth")
     expect_error(["--checkpoint_path", str(path / "model_damaged.pth"), "--device", "cpu", "--prompt", "w5"],
                  "layers.0.attention.wo: (64, 3) int4 scales do not make groups")
+    sd["layers.0.attention.wo.scales"] = scales
+    sd["layers.1.feed_forward.w2.weight"] = sd["layers.1.feed_forward.w2.weight"].float()
+    torch.save(sd, path / "model_damaged.pth")
+    expect_error(["--checkpoint_path", str(path / "model_damaged.pth"), "--device", "cpu", "--prompt", "w5"],
+                 "layers.1.feed_forward.w2: a quantized layer's weight must be torch.uint8, not torch.float32")
+    # a checkpoint with a NaN weight is refused by layer name, and nothing is left behind
+    weights = torch.load(path / "model.pth", weights_only=True)
+    weights["layers.1.attention.wqkv.weight"][3, 5] = float("nan")
+    (tmp_path / "nan").mkdir()
+    torch.save(weights, tmp_path / "nan" / "model.pth")
+    expect_error(["--checkpoint_path", str(tmp_path / "nan" / "model.pth"), "--mode", "int8"],
+                 "layers.1.attention.wqkv holds NaN or infinite weights", main=quantize.main)
+    assert sorted(p.name for p in (tmp_path / "nan").iterdir()) == ["model.pth"]
