@@ -225,31 +225,34 @@ AUTO_SIZES = (16, 24, 32, 48, 64, 80, 96, 128)
 
 
 def time_forward(target: Transformer, n_tokens: int, repeats: int = 5) -> float:
-    """Seconds for one target forward over n_tokens (a verify of that many tree tokens costs the same).
-    On CUDA the forward is captured as a CUDA graph and replayed, as the compiled cycle runs it: timed
-    eagerly, kernel launches would dominate and every tree size would look equally cheap."""
+    """Seconds for one target forward over n_tokens (a verify of that many tree tokens costs the same)."""
     device = target.output.weight.device
     pos = torch.arange(n_tokens, device=device)
     tokens, mask = torch.zeros(1, n_tokens, dtype=torch.long, device=device), causal_mask(pos, target.max_seq_length)
-    run = partial(target, tokens, pos, pos, mask)
     with torch.no_grad():
-        if str(device).startswith("cuda"):
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-                run(), run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            run = graph.replay
-        for _ in range(2):
+        return seconds_per_call(partial(target, tokens, pos, pos, mask), device, repeats)
+
+
+def seconds_per_call(run: Callable, device, repeats: int) -> float:
+    """run() timed as the compiled cycle runs its graphs: on CUDA captured once as a CUDA graph and replayed
+    (timed eagerly, kernel launches would dominate and hide what the kernels cost)."""
+    if str(device).startswith("cuda"):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            run(), run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             run()
-        device_sync(device)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            run()
-        device_sync(device)
+        run = graph.replay
+    for _ in range(2):
+        run()
+    device_sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    device_sync(device)
     return (time.perf_counter() - t0) / repeats
 
 

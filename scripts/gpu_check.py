@@ -334,27 +334,9 @@ def call_each(layers, x):
 
 
 def seconds_per_replay(fn, device: str, repeats: int) -> float:
-    """fn timed as the compiled cycle runs it: on CUDA captured once in a CUDA graph and replayed (after the
-    compilation and warm-up calls, off the default stream as capture requires); on CPU called."""
-    fn()  # compilation
-    if device == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(), fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
-    for _ in range(2):
-        fn()
-    generate.device_sync(device)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    generate.device_sync(device)
-    return (time.perf_counter() - t0) / repeats
+    """fn compiled on its first call, then timed as the compiled cycle runs it (a CUDA graph on CUDA)."""
+    fn()
+    return generate.seconds_per_call(fn, device, repeats)
 
 
 @torch.no_grad()
