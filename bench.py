@@ -69,7 +69,7 @@ from draft import EagleDraft  # noqa: E402
 from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, commit,  # noqa: E402
                       compile_settings, compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand,
                       generate, load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify,
-                      weight_bytes)
+                      weight_bytes, weights_format)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -346,14 +346,14 @@ def kernels_cell(table: dict) -> str:
 
 def markdown(results: dict) -> str:
     setup, plain, cycle = results["setup"], results["plain"], results["cycle"]
-    lines = [f"## {setup['model']} on {setup['device_name']} (weights {setup['weights']}, activations "
-             f"{setup['precision']}, compile={setup['compile']})", "",
+    lines = [f"## {setup['model']} on {setup['device_name']} (weights {setup['weights']}, head "
+             f"{setup['draft_weights']}, activations {setup['precision']}, compile={setup['compile']})", "",
              f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
              f"Measured copy bandwidth: {setup['copy_GB_per_s']:.1f} GB/s", "",
              "| plain decoding | value |", "| --- | --- |",
              f"| step | {plain['step_ms']:.3f} ms |", f"| tokens/s | {plain['tokens_per_s']:.1f} |",
-             f"| weights | {plain['weights_GB']:.2f} GB |",
-             f"| GB/s | {plain['GB_per_s']:.1f} ({100 * plain['fraction_of_copy_bandwidth']:.0f}% of copy) |",
+             f"| weights | {plain['weights_GB']:.3g} GB |",
+             f"| GB/s | {plain['GB_per_s']:.3g} ({100 * plain['fraction_of_copy_bandwidth']:.0f}% of copy) |",
              f"| recompiles after warm-up | {plain['recompiles_after_warmup']} |",
              f"| {plain['kernels']['unit']} per step | {kernels_cell(plain['kernels'])} |", "",
              "| EAGLE-2 cycle ({total_tokens}/{depth}/{topk}) | ms | plain steps | recompiles | {unit} |".format(
@@ -362,7 +362,7 @@ def markdown(results: dict) -> str:
     lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} | "
               f"{kernels_cell(r['kernels'])} |"
               for name, r in cycle["phases"].items()]
-    lines += ["", f"Bytes floor of a cycle: {cycle['cycle_bytes_GB']:.2f} GB = {cycle['floor_plain_steps']:.2f} plain "
+    lines += ["", f"Bytes floor of a cycle: {cycle['cycle_bytes_GB']:.3g} GB = {cycle['floor_plain_steps']:.2f} plain "
               f"steps = {cycle['floor_ms']:.3f} ms; measured cycle / floor = {cycle['measured_over_floor']:.2f}", "",
               "| side by side, same weights | tokens/s | tau | speedup | same tokens as plain |",
               "| --- | --- | --- | --- | --- |"]
@@ -379,15 +379,6 @@ def markdown(results: dict) -> str:
                   f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {len(r['mismatches'])} |"
                   for task, r in results["eval"].items()]
     return "\n".join(lines) + "\n"
-
-
-def weights_format(quantization, precision: str) -> str:
-    """int8, int4 g128 (lm_head int8), or the precision of unquantized weights."""
-    if not quantization:
-        return precision
-    if quantization["mode"] == "int4":
-        return f"int4 g{quantization['groupsize']} (lm_head {quantization.get('lm_head', 'int8')})"
-    return quantization["mode"]
 
 
 def git_commit() -> str:
@@ -451,7 +442,7 @@ def main(argv=None):
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
                              "precision": args.precision, "compile": args.compile, "tree": asdict(tree),
-                             "weights": weights_format(quantization, args.precision),
+                             "weights": weights_format(target), "draft_weights": weights_format(draft),
                              "command": "python " + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
                              "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                              "copy_GB_per_s": copy_bw / 1e9}}

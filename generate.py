@@ -91,7 +91,8 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab  # noqa: E402
-from model import EagletError, Transformer, attention_mask, causal_mask, decode_mask  # noqa: E402
+from model import (EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask,  # noqa: E402
+                   decode_mask)
 from tokenizer import Tokenizer  # noqa: E402
 
 PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -428,6 +429,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(sizes.values())
 
 
+def weights_format(module: torch.nn.Module) -> str:
+    """How a model's weights are stored: 'int4 g128, lm_head int8', 'int8', or the dtype of float weights."""
+    int4 = [m for m in module.modules() if isinstance(m, Int4Linear)]
+    int8 = any(isinstance(m, Int8Linear) for m in module.modules())
+    if int4:
+        return f"int4 g{int4[0].groupsize}" + (", lm_head int8" if int8 else "")
+    if int8:
+        return "int8"
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
+
+
 def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
     """Weights one speculative cycle reads: the target once (verify), and per draft pass (depth + 1 of
     them) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
@@ -695,6 +707,9 @@ def load(args):
         tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
     if draft is not None and tree.topk > draft.vocab_size:
         raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+    head = f"head {args.draft_checkpoint_path.name} ({weights_format(draft)}), tree {tree.total_tokens} tokens, " \
+        f"depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
+    print(f"target {args.checkpoint_path.name} ({weights_format(model)}); {head}; {args.device}, {args.precision}")
     return model, tokenizer, draft, sampling, tree, prompt
 
 

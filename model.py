@@ -596,11 +596,17 @@ def load_state_dict(path) -> dict:
     """Tensors saved with torch.save: memory-mapped from the zip format, read whole from the legacy format
     (old checkpoints); a quantized file also holds its record under QUANT_KEY. weights_only: a pickle's code
     is never run."""
+    if Path(path).is_file() and Path(path).stat().st_size == 0:
+        raise EagletError(f"{path} is empty")
     try:
         state_dict = torch.load(str(path), map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
-    except pickle.UnpicklingError:
+    except (pickle.UnpicklingError, KeyError, EOFError):
         raise EagletError(f"cannot read {path}: not a checkpoint of plain tensors (corrupt, or it pickles other "
                           "objects, which are never unpickled here)")
+    except (RuntimeError, OSError) as e:  # torch's zip reader on a cut file: "failed finding central directory"
+        if "zip" not in str(e).lower() and getattr(e, "errno", None) != 22:
+            raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+        raise EagletError(f"cannot read {path}: truncated or corrupt (not a whole checkpoint archive)")
     except Exception as e:
         raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
     if not isinstance(state_dict, dict) or \

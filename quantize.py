@@ -4,7 +4,11 @@
     python quantize.py --checkpoint_path checkpoints/org/model/model.pth --mode int4 --groupsize 128
     python quantize.py --checkpoint_path checkpoints/org/model-eagle/draft.pth --mode int8  # -> draft_int8.pth
 
-The int4 line writes model_int4.g128.pth.
+The int4 line writes model_int4.g128.pth. The input is what convert_hf_checkpoint.py wrote, never a
+Hugging Face *.safetensors / *.bin file. Which format: int8 stays close to bf16 (on the demo 27 of 40
+greedy outputs identical) at half the bytes; int4 reads about a quarter of bf16's and moves the model
+further (smaller groups stay closer); both keep the heads' acceptance on the demo (README.md). int4 runs
+on CUDA GPUs of compute capability 8.0 or newer and on CPU (slowly: it is for checking there).
 
 int8: every Linear, symmetric, one scale per output channel. int4: the attention and MLP Linears in groups of
 --groupsize input channels, each with a scale and a zero point (asymmetric); the lm_head (the target's, or an
@@ -84,17 +88,21 @@ def is_linear(name: str, t: Tensor) -> bool:
 
 
 def check_shapes(state_dict: dict, mode: str, groupsize: int):
-    """Refuse, before any work, a width the int4 format cannot hold (the kernels' constraints)."""
+    """Refuse, before any work, what is not a converted checkpoint, and a width the int4 format cannot hold
+    (the kernels' constraints)."""
+    if any(k.startswith("model.") or ".self_attn." in k or ".mlp." in k for k in state_dict):
+        raise EagletError("this is a Hugging Face checkpoint (its tensor names are): run convert_hf_checkpoint.py "
+                          "--checkpoint_dir on its folder, then quantize the model.pth / draft.pth it writes")
     if not any(is_linear(k, t) for k, t in state_dict.items()):
         raise EagletError("no Linear weights to quantize (is this a model.pth or draft.pth?)")
-    for name, t in state_dict.items():
-        if mode != "int4" or not is_linear(name, t) or name in LM_HEADS:
-            continue
+    int4 = {n: t for n, t in state_dict.items() if mode == "int4" and is_linear(n, t) and n not in LM_HEADS}
+    for name, t in int4.items():
         layer = name.removesuffix(".weight")
         if t.shape[1] % groupsize:
-            fits = [str(g) for g in GROUPSIZES if t.shape[1] % g == 0]
+            fits = [str(g) for g in GROUPSIZES if all(w.shape[1] % g == 0 for w in int4.values())]
             raise EagletError(f"--groupsize {groupsize} does not divide the input width {t.shape[1]} of {layer}; "
-                              f"one that divides it: {', '.join(fits) or 'none'}")
+                              + (f"one that divides every layer's: {', '.join(fits)}" if fits else
+                                 "no int4 group size divides every layer's width: use --mode int8"))
         if t.shape[0] % 16:
             raise EagletError(f"int4 needs output widths that are multiples of 16 (torch's CPU kernel); {layer} has "
                               f"{t.shape[0]} (int8 has no such limit)")
@@ -157,6 +165,9 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
                                 if (checkpoint_path / n).is_file()), checkpoint_path / "model.pth")
     if not checkpoint_path.is_file():
         raise EagletError(f"checkpoint not found: {checkpoint_path} (convert_hf_checkpoint.py writes it)")
+    if checkpoint_path.suffix in (".safetensors", ".bin"):
+        raise EagletError(f"{checkpoint_path} is a Hugging Face weights file: run convert_hf_checkpoint.py "
+                          "--checkpoint_dir on its folder, then quantize the model.pth / draft.pth it writes")
     out_path = output_path(checkpoint_path, mode, groupsize)
     if out_path.is_dir() or (out_path.exists() and not overwrite):
         raise EagletError(f"{out_path} exists{'' if out_path.is_dir() else '; give --overwrite to replace it'}")

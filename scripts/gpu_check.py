@@ -241,7 +241,7 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     precision = str(target.tok_embeddings.weight.dtype).removeprefix("torch.")
-    out = {"weights": bench.weights_format(target.quantization, precision),
+    out = {"weights": generate.weights_format(target),
            "weights_GB": generate.weight_bytes(target) / 1e9}
     if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
         # the first ids hold all of the demo's tokens (the rows past them never win), so the drafts are the
@@ -404,7 +404,7 @@ def int4_13b(device: str, dtype, prompt: list, args) -> dict:
     peak = torch.cuda.max_memory_allocated()
     weights_gb = generate.weight_bytes(target) / 1e9
     plain_tps = side["eaglet plain"]["tokens_per_s"]
-    out.update({"weights": bench.weights_format(target.quantization, "bf16"), "weights_GB": weights_gb,
+    out.update({"weights": generate.weights_format(target), "weights_GB": weights_gb,
                 "cache_slots": INT4_13B_CACHE, "plain_end_to_end_tokens_per_s": plain_tps,
                 "plain_end_to_end_GB_per_s": weights_gb * plain_tps, "EAGLE-2": eagle_bytes(target, draft, tree, side),
                 "peak_allocated_GB": peak / 1e9, "peak_reserved_GB": torch.cuda.max_memory_reserved() / 1e9,

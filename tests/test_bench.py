@@ -162,7 +162,7 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     assert not [name for name, r in results.items() if "error" in r], results
     assert "compiled vs eager (reduced shape, fp32)" not in results  # --skip_checks
     table = results["small-test (inflated demo): formats side by side"]
-    assert [table[f]["weights"] for f in formats] == ["float32", "int8", "int4 g32 (lm_head int8)"]
+    assert [table[f]["weights"] for f in formats] == ["float32", "int8", "int4 g32, lm_head int8"]
     assert table["bf16"]["weights_GB"] > table["int8"]["weights_GB"] > table["int4.g32"]["weights_GB"]
     for fmt in formats:
         row = table[fmt]

@@ -211,9 +211,24 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int8", "--groupsize", "64"], "is for --mode int4",
                  main=quantize.main)
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int4", "--groupsize", "64", "--overwrite"],
-                 "does not divide the input width 96 of layers.0.feed_forward.w2", main=quantize.main)
+                 "does not divide the input width 96 of layers.0.feed_forward.w2; one that divides every layer's: 32",
+                 main=quantize.main)
     expect_error(["--checkpoint_path", str(tmp_path / "nope.pth"), "--mode", "int8"], "checkpoint not found",
                  main=quantize.main)
+    # what convert_hf_checkpoint.py reads, not what it writes: refused before any work
+    expect_error(["--checkpoint_path", str(path / "model.safetensors"), "--mode", "int8"],
+                 "is a Hugging Face weights file: run convert_hf_checkpoint.py", main=quantize.main)
+    from safetensors.torch import load_file
+    torch.save(load_file(str(path / "model.safetensors")), tmp_path / "renamed.pth")
+    expect_error(["--checkpoint_path", str(tmp_path / "renamed.pth"), "--mode", "int8"],
+                 "this is a Hugging Face checkpoint", main=quantize.main)
+    (tmp_path / "empty.pth").write_bytes(b"")
+    (tmp_path / "text.pth").write_text("hello")
+    (tmp_path / "cut.pth").write_bytes(model_pth.read_bytes()[:20000])
+    for name, match in [("empty", "empty.pth is empty"), ("text", "not a checkpoint of plain tensors"),
+                        ("cut", "truncated or corrupt")]:
+        expect_error(["--checkpoint_path", str(tmp_path / f"{name}.pth"), "--mode", "int8"], match,
+                     main=quantize.main)
     out = quantize_cli(model_pth, "int8", 0, "--overwrite")
     out.unlink()
     quantize.main(["--checkpoint_path", str(path), "--mode", "int8"])  # the folder: its model.pth
@@ -243,11 +258,12 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
     expect_error(["--checkpoint_path", str(int4), *base], "has no int4 kernel for cpu")
 
 
-def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path):
+def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path, capsys):
     import json
     target_path, head_path = quantized_pairs["int4", 32, "eagle"]
     argv = ["--checkpoint_path", str(target_path), "--device", "cpu", "--prompt", "w5 w9 w11", "--max_new_tokens", "24"]
     generate.main(argv + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
+    assert "target model_int4.g32.pth (int4 g32, lm_head int8); head draft_int8.pth (int8)" in capsys.readouterr().out
     generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
     spec, plain = (json.loads((tmp_path / f).read_text()) for f in ("spec.json", "plain.json"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
