@@ -173,7 +173,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
         raise EagletError(f"{out_path} exists{'' if out_path.is_dir() else '; give --overwrite to replace it'}")
     state_dict = load_state_dict(checkpoint_path)  # memory-mapped: a layer is read when it is quantized
     if QUANT_KEY in state_dict:
-        record = state_dict[QUANT_KEY]
+        record = state_dict[QUANT_KEY] if isinstance(state_dict[QUANT_KEY], dict) else {}
         raise EagletError(f"{checkpoint_path} is already quantized ({record.get('mode')}"
                           f"{'' if record.get('mode') != 'int4' else ' g' + str(record.get('groupsize'))}): "
                           "quantize the bf16 / fp32 checkpoint it came from")
