@@ -38,6 +38,10 @@ def tiny_config(kind: str):
         return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
     if kind == "qwen3":  # q/k norms, an explicit head_dim unlike hidden / heads, tied embeddings
         return Qwen3Config(**common, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)
+    if kind == "llama_bias":  # attention_bias (q/k/v/o) and mlp_bias (gate/up/down), GQA
+        return LlamaConfig(**common, num_key_value_heads=2, attention_bias=True, mlp_bias=True)
+    if kind == "llama_mlp_bias":  # mlp_bias alone: the two flags are read separately
+        return LlamaConfig(**common, num_key_value_heads=4, mlp_bias=True)
     if kind == "llama8":  # deep enough for distinct EAGLE-3 feature layers 2, L//2, L-3
         return LlamaConfig(**{**common, "num_hidden_layers": 8}, num_key_value_heads=2, rope_theta=500000.0)
     raise ValueError(kind)
@@ -84,10 +88,12 @@ def make_hf_checkpoint(path: Path, kind: str, seed: int = 0, bin_shards: int = 0
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
-    with torch.no_grad():  # norms away from their all-ones start, so that a misplaced norm shows
+    with torch.no_grad():  # norms away from their all-ones start and biases from zero, so that a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
     model.save_pretrained(path, **save_kwargs)
     if bin_shards:
         resave_as_bin(path, bin_shards)
@@ -305,3 +311,128 @@ def expect_error(argv, match, main=None):
         main(argv)
     message = str(e.value.code)
     assert message.startswith("error: ") and "\n" not in message and match in message, message
+
+
+# A target whose attention matters, and heads that agree with it through its features.
+# Hidden dims: [0] a constant 1 (queries and keys read it), A = [1, 32) the token, B1 = [32, 63) the previous
+# token, B2 = [64, 95) the one before (63 and 95 stay 0).
+CTX_HIDDEN, CTX_VOCAB, CTX_ROPE_BASE = 96, 64, 1000.0
+CTX_A, CTX_B1, CTX_B2 = slice(1, 32), slice(32, 63), slice(64, 95)
+
+
+def rope_focus(head_dim: int, base: float, offset: int, score: float) -> tuple:
+    """Query and key vectors under which a position attends (almost) only to the one `offset` before it:
+    the score q.R(s - t)k = sum_i a_i cos(theta_i (s - t + offset)) peaks at s = t - offset and, for these
+    amplitudes (a_i ~ theta_i), stays at least 0.2 x score below the peak for every other s within 1000."""
+    theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    amplitude = (score * head_dim ** 0.5 * theta / theta.sum()).sqrt()
+    half = head_dim // 2
+    k = torch.cat([amplitude, torch.zeros(half, dtype=torch.float64)])
+    angle = -offset * theta  # q = R(-offset) k, with RoPE's pairs (i, i + head_dim / 2)
+    q = torch.cat([amplitude * torch.cos(angle), amplitude * torch.sin(angle)])
+    return q.float(), k.float()
+
+
+def context_target(target_dir: Path, g: torch.Generator, n_layers: int = 4):
+    """A LLaMA target whose next token depends on the last three tokens: layer 0's two attention heads (GQA,
+    one K/V head) copy the previous token's and the one before's embedding into B1 and B2 through RoPE alone;
+    the other layers add nothing. Its lm_head scores perm[x_t] on A and random directions on B1 and B2.
+    Returns (embed, lm_head weight, the orthogonal maps W1, W2 of B1 and B2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hidden, vocab, head_dim = CTX_HIDDEN, CTX_VOCAB, 32
+    u = torch.randn(vocab, 31, generator=g)
+    u = u / u.norm(dim=1, keepdim=True) * 31 ** 0.5  # every token the same norm: the RMS norms are constants
+    embed = torch.zeros(vocab, hidden)
+    embed[:, 0], embed[:, CTX_A] = 1.0, u
+    w1, _ = torch.linalg.qr(torch.randn(31, 31, generator=g))
+    w2, _ = torch.linalg.qr(torch.randn(31, 31, generator=g))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=n_layers,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+                         rope_theta=CTX_ROPE_BASE)
+    target = LlamaForCausalLM(config).eval()
+    norm_in = (hidden / 32) ** 0.5  # an embedding's RMS norm scales it by this (|x|^2 = 1 + 31)
+    q1, k = rope_focus(head_dim, CTX_ROPE_BASE, 1, 100.0)
+    q2, _ = rope_focus(head_dim, CTX_ROPE_BASE, 2, 100.0)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+        target.model.embed_tokens.weight.copy_(embed)
+        for norm in [target.model.norm] + [m for layer in target.model.layers
+                                           for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.weight.fill_(1.0)
+        attn = target.model.layers[0].self_attn
+        attn.q_proj.weight[:head_dim, 0] = q1 / norm_in
+        attn.q_proj.weight[head_dim:, 0] = q2 / norm_in
+        attn.k_proj.weight[:, 0] = k / norm_in
+        attn.v_proj.weight[:31, CTX_A] = torch.eye(31)  # the attended token's u, times norm_in
+        attn.o_proj.weight[CTX_B1, :31] = w1 / norm_in
+        attn.o_proj.weight[CTX_B2, head_dim:head_dim + 31] = w2 / norm_in
+        for layer in target.model.layers:  # MLPs that are not zero, but add nothing (down_proj is 0)
+            layer.mlp.gate_proj.weight.normal_(0, 0.1, generator=g)
+            layer.mlp.up_proj.weight.normal_(0, 0.1, generator=g)
+        perm = torch.randperm(vocab, generator=g)
+        lm_head = torch.zeros(vocab, hidden)
+        lm_head[:, CTX_A] = 2.0 / 31 ** 0.5 * u[torch.argsort(perm)]  # peaks at perm[x_t]
+        # B1 and B2 weigh enough that ~80% of next tokens differ from perm[x_t], ~55% need x_{t-2}
+        lm_head[:, CTX_B1] = 6.0 * torch.randn(vocab, 31, generator=g) / 31 ** 0.5
+        lm_head[:, CTX_B2] = 4.5 * torch.randn(vocab, 31, generator=g) / 31 ** 0.5
+        target.lm_head.weight.copy_(lm_head)
+    target.save_pretrained(target_dir)
+    write_tokenizer(target_dir, vocab)
+    return embed, lm_head, w1, w2
+
+
+def make_context_pair(root: Path, noise: float = 0.0, seed: int = 0, missing: int = 0):
+    """context_target, an EAGLE-1/2 head and an EAGLE-3 head that know its rule through its features.
+
+    The target's feature f_t is [1; u_t; W1 u_{t-1}; W2 u_{t-2}] / r (r constant). The EAGLE-1/2 head's fc
+    builds f_{t+1} from embed(x_{t+1}) and f_t (u_t and u_{t-1} are in f_t); its layer adds ~1e-3. The
+    EAGLE-3 head's fc averages the three (equal) feature layers into f_t; its attention, on the token
+    itself only (RoPE again), shifts u_t into B1 and u_{t-1} into B2 and writes embed(x_{t+1}) into A. So
+    both heads' accepted paths run as deep as the tree unless a feature, a position or a mask is wrong.
+    noise: added to the heads' feature-reading weights (partial acceptance); missing: target tokens left out
+    of the EAGLE-3 head's draft vocabulary. Returns (target folder, EAGLE-1/2 head folder, EAGLE-3 head folder)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    hidden, vocab = CTX_HIDDEN, CTX_VOCAB
+    embed, lm_head, w1, w2 = context_target(root / "target", g)
+    r = (94 / hidden) ** 0.5  # the RMS of a layer-0 output, |x|^2 = 1 + 3 x 31
+    # EAGLE-1/2: h = fc(cat(embed(x_{t+1}), f_t)) = f_{t+1}
+    fc = torch.zeros(hidden, 2 * hidden)
+    fc[0, 0] = 1 / r
+    fc[CTX_A, CTX_A] = torch.eye(31) / r
+    fc[CTX_B1, hidden + 1:hidden + 32] = w1
+    fc[CTX_B2, hidden + 32:hidden + 63] = w2 @ w1.T
+    fc[:, hidden:] += noise * torch.randn(hidden, hidden, generator=g) / hidden ** 0.5
+    weights = random_head_weights(hidden, 4, 2, 2 * hidden, vocab, out_std=1e-3, generator=g)
+    weights.update({"fc.weight": fc, "fc.bias": torch.zeros(hidden), "embed_tokens.weight": embed.clone()})
+    write_eagle_head(root / "head", weights, head_config(hidden, 4, 2, 2 * hidden, vocab))
+    # EAGLE-3: x = fc(3 features) = f_t * r; h = x + attention(cat(norm(embed(x_{t+1})), norm(x))) = f_{t+1} * r
+    heads, head_dim = 2, hidden // 2
+    q, _ = rope_focus(head_dim, CTX_ROPE_BASE, 0, 100.0)
+    norm_in = (hidden / 32) ** 0.5  # the embedding's RMS norm scales it by this
+    qk = torch.zeros(heads * head_dim, 2 * hidden)
+    qk[:head_dim, 0] = qk[head_dim:, 0] = q / norm_in
+    v = torch.zeros(hidden, 2 * hidden)  # x_hat = x / r: the new token into A, A into B1, B1 into B2
+    v[CTX_A, 1:32] = torch.eye(31) / norm_in
+    v[CTX_A, hidden + 1:hidden + 32] = -r * torch.eye(31)
+    v[CTX_B1, hidden + 1:hidden + 32] = r * w1
+    v[CTX_B1, hidden + 32:hidden + 63] = -r * torch.eye(31)
+    v[CTX_B2, hidden + 32:hidden + 63] = r * w2 @ w1.T
+    v[CTX_B2, hidden + 64:hidden + 95] = -r * torch.eye(31)
+    v[:, hidden:] += noise * torch.randn(hidden, hidden, generator=g) / hidden ** 0.5
+    kept = torch.randperm(vocab, generator=g)[missing:].sort().values
+    eye = torch.eye(hidden)
+    w = eagle3_head_weights(hidden, heads, heads, 2 * hidden, len(kept), vocab, generator=g)
+    w.update({"fc.weight": torch.cat([eye, eye, eye], dim=1) / 3,
+              "midlayer.input_layernorm.weight": torch.ones(hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
+              "midlayer.self_attn.q_proj.weight": qk, "midlayer.self_attn.k_proj.weight": qk.clone(),
+              "midlayer.self_attn.v_proj.weight": v, "midlayer.self_attn.o_proj.weight": eye.clone(),
+              "midlayer.mlp.down_proj.weight": torch.zeros(hidden, 2 * hidden), "norm.weight": torch.ones(hidden),
+              "lm_head.weight": lm_head[kept].clone(), "d2t": kept - torch.arange(len(kept))})
+    w["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    w["t2d"][kept] = True
+    write_eagle_head(root / "head3", w, eagle3_config(hidden, heads, heads, 2 * hidden, vocab, len(kept),
+                                                      rope_theta=CTX_ROPE_BASE))
+    return root / "target", root / "head", root / "head3"
