@@ -67,7 +67,7 @@ import torch  # noqa: E402
 
 from draft import EagleDraft  # noqa: E402
 from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, commit,  # noqa: E402
-                      compile_settings, compile_step, cycle_weight_bytes, decode_one_token, device_sync, expand,
+                      compile_settings, compile_step, cycle_weight_bytes, decode_one_token, device_sync,
                       generate, load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify,
                       weight_bytes, weights_format)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
@@ -196,15 +196,15 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
     """One cycle at a fixed state, phase by phase and whole, in ms and in plain decoding steps."""
     device = target.output.weight.device
     wrap = (lambda f: compile_step(f, str(device))) if compile_ else (lambda f: f)
-    levels = tree.depth + 2
+    levels = tree.levels
     root, ctx_len, h_last = start_state(target, draft)
     with torch.no_grad():
-        t = expand(target, draft, root, ctx_len, h_last, tree)
+        t = tree.expand(target, draft, root, ctx_len, h_last)
         logits, features = verify(target, t, ctx_len)
         emitted, n_acc, _, path = commit(target, t, logits, ctx_len, GREEDY, levels)
         phases = {
             "catch-up": (wrap(catch_up), (target, draft, emitted, features[path], ctx_len, n_acc)),
-            "expansion (draft tree)": (wrap(expand), (target, draft, root, ctx_len, h_last, tree)),
+            "expansion (draft tree)": (wrap(tree.expand), (target, draft, root, ctx_len, h_last)),
             "verify": (wrap(verify), (target, t, ctx_len)),
             "accept + compaction": (wrap(commit), (target, t, logits, ctx_len, GREEDY, levels)),
             "whole cycle": (wrap(speculative_cycle), (target, draft, root, ctx_len, h_last, tree, GREEDY)),
@@ -280,7 +280,7 @@ def hf_twin(target: Transformer):
         num_hidden_layers=a.n_layer, num_attention_heads=a.n_head, num_key_value_heads=a.n_local_heads,
         head_dim=a.head_dim, rms_norm_eps=a.norm_eps, rope_theta=a.rope_base, rope_scaling=a.rope_scaling,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-        attention_bias=a.qkv_bias)
+        attention_bias=a.qkv_bias, mlp_bias=a.mlp_bias)
     sd = target.state_dict()
     weights = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
                "lm_head.weight": sd["output.weight"]}
@@ -289,7 +289,13 @@ def hf_twin(target: Transformer):
     weight = target.tok_embeddings.weight
     with torch.device(weight.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=weight.dtype)
-    hf.load_state_dict(weights, strict=False)  # strict=False: rotary buffers and a tied lm_head
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    # Only rotary buffers (persistent in older transformers) may be missing: any other weight left out of the
+    # export would run on its random initial values, and the side-by-side would compare different models.
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise EagletError(f"transformers' {a.model_type} does not hold the same weights as ours: missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]} (export_layer and hf_twin disagree)")
     return hf.eval()
 
 

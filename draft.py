@@ -254,7 +254,9 @@ class DraftTree:
 
 def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, topk: int, depth: int,
                total_tokens: int, max_seq_length: int) -> DraftTree:
-    """EAGLE-2's dynamic tree (DESIGN.md section 2, steps 2-4) with fixed shapes and no loop over nodes.
+    """EAGLE-2's dynamic tree with fixed shapes and no loop over nodes: expand the topk best nodes of each
+    level topk ways (depth draft passes), then keep the total_tokens - 1 best of all candidates by cumulative
+    draft log-probability (a node's score is its whole path's).
 
     step(tokens [k], features [k, dim], input_pos [k], slots [k], mask [k, S]) -> draft outputs [k, dim];
     topk_fn(h [..., dim], k) -> the k best draft log-probabilities and their token ids [..., k]. Level i of the frontier sits at position
@@ -284,25 +286,28 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
         parent = best // topk
         tokens, features, anc = child_tokens.flatten()[best], h[parent], anc[parent]
         frontier = base + best
-    return rerank(torch.cat(pool_tokens), torch.cat(pool_scores), torch.cat(pool_logp), torch.cat(pool_parents),
-                  root, total_tokens, depth + 1)
+    pool_scores = torch.cat(pool_scores)
+    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens), torch.cat(pool_logp),
+                       torch.cat(pool_parents), root, depth + 1)
 
 
-def rerank(pool_tokens, pool_scores, pool_logp, pool_parents, root, total_tokens: int, levels: int) -> DraftTree:
-    """Keep the total_tokens - 1 best pool nodes by cumulative score and put the root in front.
+def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:
+    """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order.
 
     The pool is in level order, so parents come before children; a child never scores above its parent,
-    and a stable sort breaks ties by pool order, so the kept set is a tree and stays parent-first.
-    """
+    and a stable sort breaks ties by pool order, so the kept set is a tree (every parent kept too)."""
+    return torch.sort(pool_scores, descending=True, stable=True).indices[:total_tokens - 1].sort().values
+
+
+def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels: int) -> DraftTree:
+    """The kept pool nodes as a DraftTree, the root in front and parents before children. pool_parents holds
+    pool indices (-1 for the first level: the root); levels bounds the depth below the root."""
     device = pool_tokens.device
-    pool_size = pool_tokens.shape[0]
-    order = torch.sort(pool_scores, descending=True, stable=True).indices[:total_tokens - 1]
-    kept = order.sort().values
-    tree_index = torch.zeros(pool_size + 1, dtype=torch.long, device=device)  # pool index -> tree index
-    tree_index[kept] = torch.arange(1, total_tokens, device=device)
+    n = kept.shape[0] + 1
+    tree_index = torch.zeros(pool_tokens.shape[0] + 1, dtype=torch.long, device=device)  # pool -> tree index
+    tree_index[kept] = torch.arange(1, n, device=device)
     parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree_index[pool_parents[kept]]])
     # pool_parents is -1 at level 0, which reads tree_index[-1] = 0: the root.
-    n = total_tokens
     ancestors = torch.eye(n, dtype=torch.bool, device=device)
     for _ in range(levels):  # each pass adds one more generation of ancestors
         ancestors = ancestors | ancestors[parents]

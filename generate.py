@@ -200,6 +200,9 @@ def device_sync(device):
 
 @dataclass
 class TreeConfig:
+    """EAGLE-2's dynamic tree. What the cycle asks of a tree rule: total_tokens (nodes verified, root
+    included), levels (the most tokens one cycle can emit), scratch (cache slots used past the context) and
+    expand(). A static tree or a chain is another such class; --tree_topk 1 --total_tokens depth + 1 is a chain."""
     depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
     topk: int = 10  # children per expanded node, and nodes kept per level
     total_tokens: int = 60  # tokens the target verifies per cycle, root included
@@ -217,9 +220,19 @@ class TreeConfig:
         return 1 + self.topk + self.depth * self.topk ** 2
 
     @property
+    def levels(self) -> int:
+        """Tokens a cycle emits at most: a path through every level below the root, and the bonus token."""
+        return self.depth + 2
+
+    @property
     def scratch(self) -> int:
         """Cache slots needed past the context: the verified tree, the draft's levels, the catch-up."""
-        return max(self.total_tokens, self.depth * self.topk, self.depth + 2)
+        return max(self.total_tokens, self.depth * self.topk, self.levels)
+
+    def expand(self, target: Transformer, draft: DraftHead, root, ctx_len, h_last) -> DraftTree:
+        """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
+        return build_tree(partial(draft.step, target), partial(draft.topk, target), h_last, root, ctx_len,
+                          self.topk, self.depth, self.total_tokens, target.max_seq_length)
 
 
 AUTO_SIZES = (16, 24, 32, 48, 64, 80, 96, 128)
@@ -277,7 +290,7 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
 
     At every node the target picks its own next token: argmax (greedy), or one draw from its processed
     distribution p. A child is accepted iff it is its parent's pick. For sampling this IS the recursive
-    rule of DESIGN.md (try the children in order, accept x with probability p(x), zero and renormalise on
+    rule of tree speculative sampling (try the children in order, accept x with probability p(x), zero and renormalise on
     rejection, bonus from what is left): with deterministic drafts that rule accepts child x with
     probability exactly p(x), and otherwise yields a draw from p restricted to the non-children -- the
     same as one draw x ~ p, taken as the accepted child if it is one and as the bonus if not.
@@ -293,12 +306,6 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     at_depth = tree.ancestors[best] & (tree.depths[None] == torch.arange(levels, device=pick.device)[:, None])
     path = at_depth.int().argmax(dim=1)
     return path, tree.depths[best][0], pick[best][0]
-
-
-def expand(target: Transformer, draft: DraftHead, root, ctx_len, h_last, tree_config: TreeConfig) -> DraftTree:
-    """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
-    return build_tree(partial(draft.step, target), partial(draft.topk, target), h_last, root, ctx_len,
-                      tree_config.topk, tree_config.depth, tree_config.total_tokens, target.max_seq_length)
 
 
 def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
@@ -335,12 +342,12 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
 
     On entry the target's cache holds ctx_len tokens, root is the next token (not yet in the cache) and
     h_last the draft's output for its last pair (f_{ctx_len-1}, root). Returns the emitted tokens (padded
-    to depth + 2), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
+    to tree_config.levels), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
     and h_last. Nothing here reads a value back to the host.
     """
-    tree = expand(target, draft, root, ctx_len, h_last, tree_config)
+    tree = tree_config.expand(target, draft, root, ctx_len, h_last)
     logits, features = verify(target, tree, ctx_len)
-    emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.depth + 2)
+    emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.levels)
     h_last = catch_up(target, draft, emitted, features[path], ctx_len, n_accepted)
     return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h_last
 

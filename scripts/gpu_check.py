@@ -121,7 +121,7 @@ def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> 
         f"verify T={tree.total_tokens}": (target.args, None, attention_mask(
             ctx, torch.ones(tree.total_tokens, tree.total_tokens, dtype=torch.bool, device=device).tril(), S)),
         f"draft frontier T={tree.topk}": (draft.args, None, attention_mask(ctx, eye, S)),
-        f"catch-up T={tree.depth + 2}": (draft.args, None, causal_mask(ctx + torch.arange(tree.depth + 2, device=device), S)),
+        f"catch-up T={tree.levels}": (draft.args, None, causal_mask(ctx + torch.arange(tree.levels, device=device), S)),
     }
     rows = {}
     for name, (args, eager_mask, compiled_mask) in calls.items():

@@ -8,7 +8,7 @@ import torch
 import generate
 from conftest import expect_error, make_agreeing_pair, write_tokenizer
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, expand, load_draft, load_target
+from generate import SamplingConfig, TreeConfig, load_draft, load_target
 
 GREEDY = SamplingConfig()
 
@@ -61,7 +61,7 @@ def test_reduced_vocabulary_is_lossless_and_proposes_only_its_tokens(pair, tmp_p
         root = logits.argmax(-1)[0]
         h = generate.catch_up(model, draft, torch.tensor([5, 9, int(root)]), features[0], torch.tensor(0),
                               torch.tensor(2))
-        tree = expand(model, draft, root, torch.tensor(3), h, TreeConfig())
+        tree = TreeConfig().expand(model, draft, root, torch.tensor(3), h)
     assert set(tree.tokens[1:].tolist()) <= set(kept.tolist())
 
 

@@ -1,4 +1,5 @@
-"""The dynamic draft tree against a brute-force, node-by-node reading of DESIGN.md section 2."""
+"""The dynamic draft tree against a brute-force, node-by-node reading of EAGLE-2's rule: expand the topk best
+nodes of each level topk ways, then keep the total_tokens - 1 best candidates by cumulative log-probability."""
 import pytest
 import torch
 
