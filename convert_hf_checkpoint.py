@@ -109,6 +109,9 @@ def convert_layer(weights: dict, src: str, dst: str) -> dict:
         out[f"{dst}attention.wqkv.bias"] = torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])
     if f"{attn}o_proj.bias" in weights:
         out[f"{dst}attention.wo.bias"] = weights.pop(f"{attn}o_proj.bias")
+    if f"{mlp}gate_proj.bias" in weights:  # LLaMA mlp_bias
+        out[f"{dst}feed_forward.w13.bias"] = torch.cat([weights.pop(f"{mlp}{p}_proj.bias") for p in ("gate", "up")])
+        out[f"{dst}feed_forward.w2.bias"] = weights.pop(f"{mlp}down_proj.bias")
     for norm in ("q_norm", "k_norm"):  # Qwen3
         if f"{attn}{norm}.weight" in weights:
             out[f"{dst}attention.{norm}.weight"] = weights.pop(f"{attn}{norm}.weight")
@@ -127,10 +130,14 @@ def export_layer(state_dict: dict, src: str, dst: str, args: ModelArgs) -> dict:
                 out[f"{dst}self_attn.{name}_proj.{part}"] = t
         if f"{src}attention.wo.{part}" in state_dict:
             out[f"{dst}self_attn.o_proj.{part}"] = state_dict[f"{src}attention.wo.{part}"]
-    gate, up = state_dict[f"{src}feed_forward.w13.weight"].chunk(2)
-    out.update({f"{dst}mlp.gate_proj.weight": gate, f"{dst}mlp.up_proj.weight": up,
-                f"{dst}mlp.down_proj.weight": state_dict[f"{src}feed_forward.w2.weight"],
-                f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"]})
+        if f"{src}feed_forward.w13.{part}" in state_dict:
+            gate, up = state_dict[f"{src}feed_forward.w13.{part}"].chunk(2)
+            out.update({f"{dst}mlp.gate_proj.{part}": gate, f"{dst}mlp.up_proj.{part}": up,
+                        f"{dst}mlp.down_proj.{part}": state_dict[f"{src}feed_forward.w2.{part}"]})
+    for norm in ("q_norm", "k_norm"):  # Qwen3
+        if f"{src}attention.{norm}.weight" in state_dict:
+            out[f"{dst}self_attn.{norm}.weight"] = state_dict[f"{src}attention.{norm}.weight"]
+    out[f"{dst}post_attention_layernorm.weight"] = state_dict[f"{src}ffn_norm.weight"]
     if f"{src}attention_norm.weight" in state_dict:
         out[f"{dst}input_layernorm.weight"] = state_dict[f"{src}attention_norm.weight"]
     return out

@@ -46,6 +46,7 @@ class ModelArgs:
     sliding_window: Optional[int] = None
     qkv_bias: bool = False
     o_bias: bool = False
+    mlp_bias: bool = False  # LLaMA's mlp_bias: gate, up and down projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     tie_word_embeddings: bool = False
     model_type: str = "llama"
@@ -64,8 +65,6 @@ class ModelArgs:
             raise EagletError(f"unsupported architecture {model_type or config.get('architectures')!r}; "
                               f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
         check_config_values(config)
-        if config.get("mlp_bias"):
-            raise EagletError("mlp_bias=true is not supported")
         # transformers >= 5 writes rope_parameters; published checkpoints use rope_theta + rope_scaling.
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_base = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
@@ -85,6 +84,7 @@ class ModelArgs:
             max_position_embeddings=config.get("max_position_embeddings", 4096), sliding_window=sliding,
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
             o_bias=model_type in ("llama", "qwen3") and bool(config.get("attention_bias")),
+            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias")),  # transformers reads it for llama only
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), model_type=model_type,
             extra={k: config.get(k) for k in ("bos_token_id", "eos_token_id", "tokenizer_vocab_size")},
@@ -443,8 +443,8 @@ def decode_mask(input_pos: Tensor, n_kv: int):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)

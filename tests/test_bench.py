@@ -10,6 +10,7 @@ import generate
 from conftest import ROOT, SHARED, head_config, random_head_weights, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
+from model import EagletError, causal_mask
 
 SMALL = ["--depth", "3", "--tree_topk", "4", "--total_tokens", "16", "--repeats", "2", "--side_tokens", "12"]
 
@@ -25,6 +26,28 @@ def test_bench_random_shape_with_transformers_side_by_side(tmp_path):
     assert "| verify |" in (tmp_path / "r.md").read_text()
     assert results["plain"]["kernels"]["per_call"] > 0
     assert all(phase["kernels"]["ms_per_call"] > 0 for phase in results["cycle"]["phases"].values())
+
+
+@pytest.mark.parametrize("kind", ["llama_bias", "qwen2", "qwen3"])  # q/k/v/o + mlp biases; q/k/v bias, tied; q/k norms
+def test_hf_twin_reproduces_our_logits(checkpoints, kind):
+    """The transformers baseline runs on exactly our weights (the fixtures' norms and biases are random)."""
+    path, _ = checkpoints(kind)
+    target = load_target(path / "model.pth", "cpu", "fp32", 16)
+    ids, pos = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 30]]), torch.arange(8)
+    with torch.no_grad():
+        ours, _ = target(ids, pos, pos, causal_mask(pos, 16))
+        want = bench.hf_twin(target)(ids).logits
+    assert (ours - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_hf_twin_refuses_a_weight_left_out_of_the_export(checkpoints, monkeypatch):
+    import convert_hf_checkpoint
+    export_layer = convert_hf_checkpoint.export_layer
+    monkeypatch.setattr(convert_hf_checkpoint, "export_layer", lambda *a: {
+        k: v for k, v in export_layer(*a).items() if not k.endswith("layers.1.mlp.up_proj.bias")})
+    target = load_target(checkpoints("llama_bias")[0] / "model.pth", "cpu", "fp32")
+    with pytest.raises(EagletError, match=r"missing \['model.layers.1.mlp.up_proj.bias'\], unexpected \[\]"):
+        bench.hf_twin(target)
 
 
 def test_kernel_table_counts_what_a_call_runs():

@@ -20,7 +20,7 @@ def run_cli(tmp_path, argv):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kind", ["llama2", "llama31", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama2", "llama31", "qwen2", "llama_bias"])
 def test_greedy_cli_matches_transformers_generate(checkpoints, tmp_path, kind):
     path, hf = checkpoints(kind)
     for prompt in PROMPTS:

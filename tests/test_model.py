@@ -5,12 +5,12 @@ import torch
 from model import Transformer, causal_mask
 
 CASES = [("llama2", {}, 0), ("llama31", {}, 0), ("llama31", {}, 3000), ("mistral", {}, 0), ("qwen2", {}, 0),
-         ("qwen3", {}, 0),
+         ("qwen3", {}, 0), ("llama_bias", {}, 0), ("llama_mlp_bias", {}, 0),
          ("llama2", {"max_shard_size": "100KB"}, 0),  # sharded safetensors
          ("llama31", {"bin_shards": 1}, 0),  # pytorch_model.bin
          ("qwen2", {"bin_shards": 3}, 0)]  # sharded .bin with its index
 CASE_IDS = ["llama2", "llama31", "llama31-rope-scaled-positions", "mistral", "qwen2-bias-tied", "qwen3-qk-norm",
-            "sharded-safetensors", "bin", "sharded-bin"]
+            "llama-attention-and-mlp-bias", "llama-mlp-bias", "sharded-safetensors", "bin", "sharded-bin"]
 
 
 def load(path, max_seq_length=64):
@@ -25,8 +25,10 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("kind,save_kwargs,offset", CASES, ids=CASE_IDS)
 def test_logits_match_transformers(checkpoints, kind, save_kwargs, offset):
-    """Prefill then decode steps, at positions starting at `offset` (so llama3 rope scaling is exercised)."""
+    """Prefill then decode steps, at positions starting at `offset` (so llama3 rope scaling is exercised):
+    logits and the final-normed hidden states. The fixture's biases are random, so a dropped one shows."""
     path, hf = checkpoints(kind, **save_kwargs)
+    assert all(p.abs().max() > 0 for n, p in hf.named_parameters() if n.endswith("bias"))
     if save_kwargs.get("max_shard_size"):
         assert (path / "model.safetensors.index.json").exists()
     if save_kwargs.get("bin_shards"):
@@ -37,14 +39,15 @@ def test_logits_match_transformers(checkpoints, kind, save_kwargs, offset):
     ids = torch.randint(0, hf.config.vocab_size, (1, 12))
     positions = torch.arange(offset, offset + 12)
     with torch.no_grad():
-        ref = hf(ids, position_ids=positions[None]).logits
+        out = hf(ids, position_ids=positions[None], output_hidden_states=True)
+        ref, ref_hidden = out.logits, out.hidden_states[-1]  # transformers applies the final norm to the last
         slots = torch.arange(8)
-        logits, _ = model(ids[:, :8], positions[:8], slots, torch.arange(size) <= slots[:, None])
-        assert rel_err(logits, ref[:, :8]) < 1e-4
+        logits, hidden = model(ids[:, :8], positions[:8], slots, torch.arange(size) <= slots[:, None])
+        assert rel_err(logits, ref[:, :8]) < 1e-4 and rel_err(hidden, ref_hidden[:, :8]) < 1e-4
         for t in range(8, 12):  # one-token decode steps
             slot = torch.tensor([t])
-            logits, _ = model(ids[:, t:t + 1], positions[t:t + 1], slot, torch.arange(size) <= slot[:, None])
-            assert rel_err(logits[:, 0], ref[:, t]) < 1e-4
+            logits, hidden = model(ids[:, t:t + 1], positions[t:t + 1], slot, torch.arange(size) <= slot[:, None])
+            assert rel_err(logits[:, 0], ref[:, t]) < 1e-4 and rel_err(hidden[:, 0], ref_hidden[:, t]) < 1e-4
 
 
 def test_features_are_final_normed_hidden_state(checkpoints):
