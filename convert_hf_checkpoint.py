@@ -213,6 +213,8 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
         raise EagletError(f"{checkpoint_dir}: d2t has {tuple(out['d2t'].shape)} entries but lm_head has "
                           f"{draft_vocab} rows")
     target_ids = torch.arange(draft_vocab) + out["d2t"]
+    if target_ids.unique().numel() != draft_vocab:
+        raise EagletError(f"{checkpoint_dir}: d2t maps two draft tokens to one target token")
     if t2d is not None and not (t2d.shape == (args.vocab_size,) and int(t2d.sum()) == draft_vocab
                                 and 0 <= target_ids.min() and target_ids.max() < args.vocab_size
                                 and t2d.bool()[target_ids].all()):

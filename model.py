@@ -126,8 +126,12 @@ def check_config_values(config: dict):
         value = config.get(key)
         if (key in REQUIRED_SIZES or value is not None) and (type(value) is not int or value < 1):
             raise EagletError(f"config {key} must be a positive integer, got {value!r}")
-    for key in ("rms_norm_eps", "rope_theta"):
-        value = config.get(key, 1.0)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers >= 5 keeps rope_theta in it
+    if not isinstance(rope, dict):
+        raise EagletError(f"config rope_parameters / rope_scaling must be a JSON object, got {rope!r}")
+    values = {"rms_norm_eps": config.get("rms_norm_eps", 1.0),
+              "rope_theta": config["rope_theta"] if "rope_theta" in config else rope.get("rope_theta", 1.0)}
+    for key, value in values.items():
         if type(value) not in (int, float) or not 0 < value < math.inf:
             raise EagletError(f"config {key} must be a positive number, got {value!r}")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]

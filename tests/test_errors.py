@@ -8,12 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import bench
 import convert_hf_checkpoint
 import generate
 import train_draft
-from conftest import ROOT, head_config, random_head_weights, write_eagle_head, write_tokenizer
+from conftest import (ROOT, eagle3_config, eagle3_head_weights, expect_error, head_config, random_head_weights,
+                      write_eagle_head, write_tokenizer)
+from model import QUANT_KEY
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import download  # noqa: E402
@@ -29,6 +32,17 @@ def set_config(path, **changes):
     for key in [k for k, v in changes.items() if v is None]:
         del config[key]
     (path / "config.json").write_text(json.dumps(config))
+
+
+def damage_record(path):
+    weights = torch.load(path / "model.pth", weights_only=True)
+    torch.save({**weights, QUANT_KEY: {"mode": "int8"}}, path / "model.pth")  # no format_version
+
+
+def copy_head(head, path, edit):
+    shutil.copytree(head.parent, path)
+    edit(path)
+    return path / "draft.pth"
 
 
 def questions(path, lines):
@@ -66,6 +80,12 @@ def w(checkpoints, tmp_path_factory):
     ns.bad_tok_model = broken("bad_tok_model", lambda p: ((p / "tokenizer.json").unlink(),
                                                           (p / "tokenizer.model").write_bytes(b"garbage" * 10)))
     ns.small_tok = broken("small_tok", lambda p: write_tokenizer(p, vocab_size=40))
+    ns.not_object = broken("not_object", lambda p: (p / "config.json").write_text("[1, 2]"))
+    ns.not_dict = broken("not_dict", lambda p: torch.save([torch.zeros(2)], p / "model.pth"))
+    ns.bad_record = broken("bad_record", damage_record)
+    ns.head_not_object = copy_head(ns.head, root / "head_not_object",
+                                   lambda p: (p / "config.json").write_text("[1, 2]"))
+    ns.head_two_layers = copy_head(ns.head, root / "head_two_layers", lambda p: set_config(p, num_hidden_layers=2))
     (root / "a_dir.json").mkdir()
     ns.data = questions(root / "q.jsonl", [json.dumps({"turns": ["w1 w2"], "reference": ["w3 w4"]})] * 4)
     ns.bad_data = questions(root / "bad.jsonl", ['{"turns": ["w1"]', '{"no": "turns"}'])
@@ -90,6 +110,14 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "config missing a key": ("generate", lambda w: gen(w, ckpt="no_key"), "missing hidden_size"),
     "config wrong type": ("generate", lambda w: gen(w, ckpt="bad_type"), "hidden_size must be a positive integer"),
     "config not JSON": ("generate", lambda w: gen(w, ckpt="not_json"), "is not valid JSON"),
+    "config a JSON list": ("generate", lambda w: gen(w, ckpt="not_object"), "config.json is not a JSON object"),
+    "head config a JSON list": ("generate", lambda w: gen(w, "--draft_checkpoint_path", str(w.head_not_object)),
+                                "config.json is not a JSON object"),
+    "head config with two layers": ("generate", lambda w: gen(w, "--draft_checkpoint_path", str(w.head_two_layers)),
+                                    "is neither an EAGLE-1/2 nor an EAGLE-3 draft head"),
+    "weights a list, not a state dict": ("generate", lambda w: gen(w, ckpt="not_dict"), "is not a state dict"),
+    "quantization record damaged": ("generate", lambda w: gen(w, ckpt="bad_record"),
+                                    "its quantization record is damaged"),
     "weights truncated": ("generate", lambda w: gen(w, ckpt="truncated"), "cannot read"),
     "weights garbage": ("generate", lambda w: gen(w, ckpt="garbage"), "cannot read"),
     "weights a pickle": ("generate", lambda w: gen(w, ckpt="pickle"), "never unpickled"),
@@ -134,6 +162,10 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "convert config not JSON": ("convert", lambda w: ["--checkpoint_dir", str(w.not_json.parent)], "not valid JSON"),
     "convert config wrong type": ("convert", lambda w: ["--checkpoint_dir", str(w.bad_type.parent)],
                                   "hidden_size must be a positive integer"),
+    "convert config a JSON list": ("convert", lambda w: ["--checkpoint_dir", str(w.not_object.parent)],
+                                   "config.json is not a JSON object"),
+    "convert head config a JSON list": ("convert", lambda w: ["--checkpoint_dir", str(w.head_not_object.parent)],
+                                        "config.json is not a JSON object"),
     "out_dir is the target's folder": ("train", lambda w: train(w, out=w.good.parent), "already holds a checkpoint"),
     "out_dir holds another checkpoint": ("train", lambda w: train(w, out=w.no_key.parent), "would overwrite it"),
     "resume from another target": ("train", lambda w: train(w, out=w.state), "another target (n_local_heads 2 vs 4"),
@@ -214,3 +246,181 @@ def test_help_and_usage_mistakes_answer_before_torch_is_imported(tool):
         assert proc.returncode == rc and "torch" not in imported and "cli" in imported, proc.stderr[-500:]
     assert "usage:" in subprocess.run([sys.executable, str(ROOT / tool), "--help"], capture_output=True,
                                       text=True, timeout=120).stdout
+
+
+BAD_VALUES = {  # id: (config.json changes, what the one line must say)
+    "rms_norm_eps zero": ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive number, got 0"),
+    "rms_norm_eps negative": ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive number, got -1e-06"),
+    "rms_norm_eps NaN": ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number, got nan"),
+    "rms_norm_eps infinite": ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a positive number, got inf"),
+    "rms_norm_eps a string": ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'"),
+    "rope_theta zero": ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+    "rope_theta negative": ({"rope_theta": -10000.0}, "rope_theta must be a positive number, got -10000.0"),
+    "rope_theta NaN": ({"rope_theta": float("nan")}, "rope_theta must be a positive number, got nan"),
+    "rope_theta infinite": ({"rope_theta": float("inf")}, "rope_theta must be a positive number, got inf"),
+    "rope_theta a string": ({"rope_theta": "10000"}, "rope_theta must be a positive number, got '10000'"),
+    "rope_theta a boolean": ({"rope_theta": True}, "rope_theta must be a positive number, got True"),
+    # transformers >= 5 writes rope_theta inside rope_parameters
+    "rope_parameters rope_theta zero": ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+                                        "rope_theta must be a positive number, got 0"),
+    "rope_parameters rope_theta a string": ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+                                            "rope_theta must be a positive number, got '1e4'"),
+    "rope_parameters a string": ({"rope_parameters": "default"},
+                                 "rope_parameters / rope_scaling must be a JSON object, got 'default'"),
+    "heads not a multiple of kv heads": ({"num_key_value_heads": 3},
+                                         "num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
+    "hidden_size not a multiple of heads": ({"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": None},
+                                            "and hidden_size 64 of num_attention_heads"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_config_value_is_refused_for_target_and_head(w, tmp_path, case):
+    """model.check_config_values: generate and convert refuse the target's config.json, generate the head's."""
+    changes, match = BAD_VALUES[case]
+    shutil.copytree(w.good.parent, tmp_path / "target")
+    set_config(tmp_path / "target", **changes)
+    expect_error(["--checkpoint_path", str(tmp_path / "target" / "model.pth"), "--device", "cpu"], match)
+    expect_error(["--checkpoint_dir", str(tmp_path / "target")], match, main=convert_hf_checkpoint.main)
+    head = copy_head(w.head, tmp_path / "head", lambda p: set_config(p, **changes))
+    expect_error(gen(w, "--draft_checkpoint_path", str(head)), match)
+
+
+def edit_weights(change):
+    """A folder edit that changes the tensors of its model.safetensors."""
+    def edit(path):
+        weights = load_file(str(path / "model.safetensors"))
+        change(weights)
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return edit
+
+
+def add_layer_2(weights):  # the weights of a third layer, which the two-layer config does not have
+    weights.update({k.replace(".layers.1.", ".layers.2."): v.clone() for k, v in weights.items() if ".layers.1." in k})
+
+
+def index_not_json(path):
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ')
+
+
+TARGET_FOLDERS = {  # id: (edit of a Hugging Face target folder, what the one line must say)
+    "a layer the config does not have": (edit_weights(add_layer_2),
+                                         "unexpected weights model.layers.2.input_layernorm.weight, "
+                                         "model.layers.2.mlp.down_proj.weight"),
+    "a weight missing": (edit_weights(lambda w: w.pop("model.layers.1.mlp.up_proj.weight")),
+                         "weight model.layers.1.mlp.up_proj.weight is missing"),
+    "lm_head missing, embeddings untied": (edit_weights(lambda w: w.pop("lm_head.weight")),
+                                           "lm_head.weight is missing and tie_word_embeddings is false"),
+    "index not JSON": (index_not_json, "model.safetensors.index.json is not a valid index"),
+    "shard not safetensors": (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 64), "cannot read"),
+}
+
+
+@pytest.mark.parametrize("case", list(TARGET_FOLDERS))
+def test_target_folder_is_refused_and_nothing_written(w, tmp_path, case):
+    """convert_hf_checkpoint.convert_target and weight_files: no weight is dropped or made up."""
+    edit, match = TARGET_FOLDERS[case]
+    shutil.copytree(w.good.parent, tmp_path / "target", ignore=shutil.ignore_patterns("model.pth"))
+    edit(tmp_path / "target")
+    expect_error(["--checkpoint_dir", str(tmp_path / "target")], match, main=convert_hf_checkpoint.main)
+    assert not (tmp_path / "target" / "model.pth").exists()
+
+
+def eagle(fc_bias=True, edit=None, **config):
+    """An EAGLE-1/2 head for the llama2 target, as published: fc.bias and a copy of the embedding."""
+    weights = random_head_weights(64, 4, 4, 96, 96, fc_bias=fc_bias)
+    if edit:
+        edit(weights)
+    return weights, head_config(64, 4, 4, 96, 96, **config)
+
+
+def eagle3(edit=None, hidden=64, vocab=96, **config):
+    """An EAGLE-3 head with a 40-token draft vocabulary (d2t and t2d), for a target of hidden size 64."""
+    weights = eagle3_head_weights(hidden, 4, 2, 96, 40, vocab, target_hidden=64)
+    if edit:
+        edit(weights)
+    return weights, eagle3_config(hidden, 4, 2, 96, vocab, 40, **config)
+
+
+def d2t_two_to_one(weights, keep_t2d=True):
+    """Draft tokens 0 and 1 both propose the target token of draft token 0. t2d still marks 40 tokens, and every
+    token d2t reaches is among them."""
+    target_ids = torch.arange(40) + weights["d2t"]
+    target_ids[1] = target_ids[0]
+    weights["d2t"] = target_ids - torch.arange(40)
+    if not keep_t2d:
+        del weights["t2d"]
+
+
+def add_second_layer(weights):
+    weights.update({k.replace("layers.0.", "layers.1."): v for k, v in weights.items() if k.startswith("layers.0.")})
+
+
+def set_embed(shape):
+    return lambda weights: weights.update({"embed_tokens.weight": torch.zeros(shape)})
+
+
+HEAD_FOLDERS = {  # id: (head weights and config.json, what the one line of convert_hf_checkpoint.py must say)
+    "EAGLE head with two layers": (lambda: eagle(num_hidden_layers=2), "neither an EAGLE-1/2 nor an EAGLE-3"),
+    "EAGLE-3 head with two layers": (lambda: eagle3(num_hidden_layers=2), "neither an EAGLE-1/2 nor an EAGLE-3"),
+    "fc.bias present, bias false": (lambda: eagle(bias=False), "config.json says bias=False but fc.bias is present"),
+    "fc.bias missing, bias true": (lambda: eagle(fc_bias=False, bias=True),
+                                   "config.json says bias=True but fc.bias is missing"),
+    "fc.bias missing, bias unset": (lambda: eagle(fc_bias=False), "config.json says bias=True but fc.bias is missing"),
+    "EAGLE embed_tokens of another vocabulary": (lambda: eagle(edit=set_embed((90, 64))),
+                                                 "embed_tokens (90, 64) does not match config.json"),
+    "EAGLE weight missing": (lambda: eagle(edit=lambda w: w.pop("layers.0.mlp.up_proj.weight")),
+                             "weight layers.0.mlp.up_proj.weight is missing"),
+    "EAGLE weights of a second layer": (lambda: eagle(edit=add_second_layer),
+                                        "unexpected weights layers.1.mlp.down_proj.weight"),
+    "d2t two to one, with t2d": (lambda: eagle3(edit=d2t_two_to_one), "d2t maps two draft tokens to one target token"),
+    "d2t two to one, without t2d": (lambda: eagle3(edit=lambda w: d2t_two_to_one(w, keep_t2d=False)),
+                                    "d2t maps two draft tokens to one target token"),
+    "no d2t for a smaller draft vocabulary": (lambda: eagle3(edit=lambda w: (w.pop("d2t"), w.pop("t2d"))),
+                                              "no d2t to map its 40 draft tokens to target tokens"),
+    "EAGLE-3 embed_tokens of another shape": (lambda: eagle3(hidden=32, target_hidden_size=64,
+                                                             edit=set_embed((90, 32))),
+                                              "embed_tokens (90, 32) does not match config.json"),
+    "EAGLE-3 weight it does not have": (lambda: eagle3(edit=lambda w: w.update({"lm_head.bias": torch.zeros(40)})),
+                                        "unexpected weights lm_head.bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_FOLDERS))
+def test_head_folder_is_refused_and_nothing_written(tmp_path, case):
+    """draft.head_kind and convert_hf_checkpoint.convert_head / convert_eagle3_head."""
+    make, match = HEAD_FOLDERS[case]
+    write_eagle_head(tmp_path / "head", *make())
+    expect_error(["--checkpoint_dir", str(tmp_path / "head")], match, main=convert_hf_checkpoint.main)
+    assert not (tmp_path / "head" / "draft.pth").exists()
+
+
+def edit_d2t(change):
+    """A folder edit that changes d2t in the converted draft.pth (one written by another tool, or damaged)."""
+    def edit(path):
+        weights = torch.load(path / "draft.pth", weights_only=True)
+        torch.save({**weights, "d2t": change(weights["d2t"])}, path / "draft.pth")
+    return edit
+
+
+EAGLE3_AT_LOAD = {  # id: (the head, an edit of its folder after conversion, what the one line must say)
+    "d2t two to one": (eagle3, edit_d2t(lambda d2t: torch.cat([d2t[:1], d2t[:1] - 1, d2t[2:]])),
+                       "or maps two draft tokens to one"),
+    "d2t shorter than lm_head": (eagle3, edit_d2t(lambda d2t: d2t[:-1]),
+                                 "d2t has (39,) entries but lm_head has 40 rows"),
+    "another vocabulary": (lambda: eagle3(vocab=80), None, "is for a vocabulary of 80, the target has 96"),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGLE3_AT_LOAD))
+def test_eagle3_head_is_checked_at_load(checkpoints, tmp_path, case):
+    """draft.eagle3_from_state_dict: what conversion cannot see (the target), or a draft.pth changed since."""
+    make, edit, match = EAGLE3_AT_LOAD[case]
+    target, _ = checkpoints("llama8")
+    write_eagle_head(tmp_path / "head", *make())
+    convert_hf_checkpoint.convert(tmp_path / "head", log=lambda *_: None)
+    if edit:
+        edit(tmp_path / "head")
+    expect_error(["--checkpoint_path", str(target / "model.pth"), "--device", "cpu", "--prompt", "w1 w2",
+                  "--draft_checkpoint_path", str(tmp_path / "head" / "draft.pth")], match)

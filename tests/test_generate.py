@@ -168,3 +168,30 @@ def test_sentencepiece_tokenizer_and_llama2_chat_format(tmp_path):
     expected = [1] + tok.sp.encode("[INST] Hi [/INST] Hello! ") + [2, 1] + tok.sp.encode("[INST] Bye [/INST]")
     assert ids == expected
     assert tok.decode(tok.encode("The quick brown fox", bos=True)) == "The quick brown fox"
+
+
+def test_streamer_waits_for_whole_multibyte_characters(tmp_path, capsys):
+    """A byte-level BPE tokenizer splits 'é', '世' and '🙂' over several tokens: the streamer prints a character
+    only once it is whole (never U+FFFD), and in the end exactly the decoded text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 bytes as printable characters
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({"Ã©": 256, "Ġä": 257})  # é whole; a space and the first byte of 世
+    tok = Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ġ", "ä")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = generate.Tokenizer(tmp_path)
+    text = "Café 世界 🙂!"
+    ids = tokenizer.encode(text, bos=False)
+    assert 256 in ids and 257 in ids and tokenizer.decode(ids) == text
+    assert sum("\ufffd" in tokenizer.decode([t]) for t in ids) == 10  # tokens holding part of a character
+    streamer = generate.TextStreamer(tokenizer, ids[:1])  # the prompt's last token, "C"
+    printed = ""
+    for t in ids[1:]:
+        streamer([t])
+        printed += capsys.readouterr().out
+        assert "\ufffd" not in printed
+    streamer.flush()
+    printed += capsys.readouterr().out
+    assert "C" + printed == text
