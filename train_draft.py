@@ -483,7 +483,9 @@ def llama_head_config(args: ModelArgs) -> dict:
             "head_dim": args.head_dim, "intermediate_size": args.intermediate_size, "num_hidden_layers": 1,
             "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_base,
             "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_position_embeddings,
-            "hidden_act": "silu", "torch_dtype": "float32"}
+            "hidden_act": "silu", "torch_dtype": "float32",
+            # the target's biases, which a new head copies (a Qwen2 target: q/k/v only, not o)
+            "attention_bias": args.o_bias, "qkv_bias": args.qkv_bias, "mlp_bias": args.mlp_bias}
 
 
 def save_head(head: DraftHead, config: dict, out_dir: Path):

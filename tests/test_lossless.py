@@ -91,27 +91,27 @@ def reference_features(model, draft, seq, n):
 
 
 @pytest.mark.parametrize("name", ["noisy", "noisy3"])
-def test_catch_up_output_matches_a_reference_recomputation(context, name):
-    """After every cycle, the h_last the cycle hands on (the draft's output for the last accepted pair) equals
-    the head run over the whole sequence with the target's true features."""
+def test_catch_up_output_matches_a_reference_recomputation(context, name, monkeypatch):
+    """Every h_last generate() hands on (the prompt's, then each cycle's: the draft's output for the last
+    accepted pair) equals the head run over the whole sequence with the target's true features."""
     model, draft = load(context[name])
     ref_model, ref_draft = load(context[name])
+    handed_on = []  # (position of the pair's token, h_last)
+
+    def recording_catch_up(target, draft, emitted, features, ctx_len, n_accepted):
+        h = generate_catch_up(target, draft, emitted, features, ctx_len, n_accepted)
+        handed_on.append(((ctx_len + n_accepted).item(), h.clone()))
+        return h
+    generate_catch_up = generate.catch_up
+    monkeypatch.setattr(generate, "catch_up", recording_catch_up)
     prompt = prompts(1, seed=4)[0]
-    with torch.no_grad():
-        logits, features = generate.prefill(model, torch.tensor([prompt]), 0)
-        root = logits.argmax(-1)[0]
-        pairs = torch.tensor(prompt[1:] + [root.item()])
-        h_last = generate.catch_up(model, draft, pairs, features[0], torch.tensor(0), torch.tensor(len(pairs) - 1))
-        seq, ctx_len, lengths = prompt + [root.item()], torch.tensor(len(prompt)), set()
-        while len(seq) < 120:
-            emitted, n_accepted, root, ctx_len, h_last = generate.speculative_cycle(
-                model, draft, root, ctx_len, h_last, TreeConfig(), GREEDY)
-            seq += emitted[:n_accepted + 1].tolist()
-            lengths.add(n_accepted.item() + 1)
-            n = len(seq) - 1
-            _, h_ref = reference_features(ref_model, ref_draft, seq, n)
-            assert torch.allclose(h_last, h_ref[n - 1], atol=1e-4), f"cycle {len(lengths)}: h_last is not the reference"
-    assert len(lengths) >= 3  # paths of several lengths were caught up
+    result = generate.generate(model, prompt, 60, GREEDY, draft=draft)
+    seq = prompt + result.tokens
+    _, h_ref = reference_features(ref_model, ref_draft, seq, len(seq) - 1)
+    assert handed_on[0][0] == len(prompt) - 1 and len(handed_on) == len(result.accept_lengths) + 1
+    for pos, h in handed_on[:-1]:  # the last cycle's pairs run past the tokens kept (max_new_tokens cut them)
+        assert torch.allclose(h, h_ref[pos], atol=1e-4), f"h_last at position {pos} is not the reference"
+    assert len(set(result.accept_lengths)) >= 3  # paths of several lengths were caught up
 
 
 def check_caches(model, draft, ref_model, ref_draft, seq):

@@ -91,3 +91,19 @@ def test_training_errors(checkpoints, tmp_path):
     base = ["--checkpoint_path", str(target_dir / "model.pth"), "--out_dir", str(tmp_path / "h"), "--device", "cpu"]
     expect_error(base + ["--data", str(tmp_path / "missing.txt")], "data file not found", main=train_draft.main)
     expect_error(base + ["--data", str(questions)], "--self_distill", main=train_draft.main)
+
+
+def test_a_head_trained_on_a_biased_target_loads_back(checkpoints, tmp_path):
+    """A new head copies its target's layer shapes, biases included (Qwen2: q/k/v; LLaMA: attention_bias,
+    mlp_bias): its config.json must say so, or the head cannot be loaded again."""
+    for kind in ("qwen2", "llama_bias"):
+        target_dir, _ = checkpoints(kind)
+        target = load_target(target_dir / "model.pth", "cpu", "fp32")
+        cfg = train_draft.TrainConfig(steps=2, batch_size=2, seq_len=16, warmup=1)
+        examples = train_draft.load_examples([corpus(tmp_path / "c.txt", 200)], generate.Tokenizer(target_dir), 16)
+        train_draft.train(target, examples, tmp_path / kind, cfg, log=lambda *_: None)
+        convert(tmp_path / kind, log=lambda *_: None)
+        model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
+        draft = load_draft(tmp_path / kind / "draft.pth", model)
+        assert draft.layer.attention.wqkv.bias is not None
+        assert (draft.layer.feed_forward.w2.bias is not None) == (kind == "llama_bias")
