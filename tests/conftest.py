@@ -14,6 +14,40 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 VOCAB = 96  # w0 .. w91 plus four specials
+# Draws per statistical (chi-square) test; raise it for a deeper run: EAGLET_STAT_SAMPLES=10000 pytest -m stat
+STAT_SAMPLES = int(os.environ.get("EAGLET_STAT_SAMPLES", "1000"))
+
+
+# Cases left out of the fast tier besides the tests marked slow where they are defined: each repeats, more
+# slowly (int4 on a CPU, a random head), what a faster case of the same test checks.
+SLOW_CASES = ("test_speculative.py::test_greedy_speculative_equals_plain[random",
+              "test_eagle3.py::test_greedy_speculative_equals_plain[random",
+              "test_attention.py::test_block_sparse_attention_equals_masked_attention[prefill from empty]",
+              "test_quantize.py::test_greedy_speculative_equals_plain_on_quantized_target[eagle-draft_vocab-int4-g32]",
+              "test_quantize.py::test_greedy_speculative_equals_plain_on_quantized_target[eagle3-int4-g32]",
+              "test_quantize.py::test_greedy_speculative_equals_plain_on_quantized_target[eagle-draft_vocab-int8]",
+              "test_quantize.py::test_training_a_head_on_a_quantized_target",
+              "test_quantize.py::test_greedy_speculative_equals_plain_on_quantized_target[eagle3-int8]",
+              "test_quantize.py::test_greedy_speculative_equals_plain_on_quantized_target[eagle-int4-g32]",
+              "test_bench.py::test_hf_twin_reproduces_our_logits[llama_bias]",
+              # the first agreeing pairs, whose target barely attends: test_lossless.py checks the same, harder
+              "test_speculative.py::test_greedy_speculative_equals_plain[agreeing",
+              "test_speculative.py::test_greedy_speculative_equals_plain[perturbed",
+              "test_speculative.py::test_caches_equal_plain_decoding_after_cycles",
+              "test_eagle3.py::test_greedy_speculative_equals_plain[agreeing",
+              "test_eagle3.py::test_greedy_speculative_equals_plain[vocab-missing",
+              "test_generate.py::test_cli_error_is_one_line_without_traceback")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(case in item.nodeid for case in SLOW_CASES):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow')")
+    config.addinivalue_line("markers", "stat: statistical tests, whose draws EAGLET_STAT_SAMPLES sets")
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + ' ' }}"
                  "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"

@@ -15,6 +15,7 @@ from model import EagletError, causal_mask
 SMALL = ["--depth", "3", "--tree_topk", "4", "--total_tokens", "16", "--repeats", "2", "--side_tokens", "12"]
 
 
+@pytest.mark.slow
 def test_bench_random_shape_with_transformers_side_by_side(tmp_path):
     bench.main(["--model", "tiny", "--hf", "--out", str(tmp_path / "r")] + SMALL)
     results = json.loads((tmp_path / "r.json").read_text())
@@ -65,6 +66,7 @@ def test_kernel_table_counts_what_a_call_runs():
     assert table["ms_per_call"] * 1e3 >= sum(row["us_per_call"] for row in table["top"]) > 0
 
 
+@pytest.mark.slow
 def test_bench_eval_on_question_files(checkpoints, tmp_path, capsys):
     target, _ = checkpoints("llama2")
     head = tmp_path / "head"
@@ -101,6 +103,7 @@ def test_compiled_plain_decoding_does_not_recompile(checkpoints):
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every step of both prompts
 
 
+@pytest.mark.slow
 def test_compiled_speculative_cycle_does_not_recompile(tmp_path):
     from conftest import make_agreeing_pair
     from torch._dynamo.utils import counters
@@ -122,6 +125,7 @@ def test_compiled_speculative_cycle_does_not_recompile(tmp_path):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.slow
 def test_gpu_check_quick_runs_on_cpu(tmp_path):
     """scripts/gpu_check.py --quick as a CPU smoke test: every section runs, compiled == eager, no recompiles."""
     import sys
@@ -139,6 +143,7 @@ def test_gpu_check_quick_runs_on_cpu(tmp_path):
     assert "decode T=1" in results["attention kernels (reduced shape)"]
 
 
+@pytest.mark.slow
 def test_gpu_check_plain_only_measures_a_shape_on_cpu(tmp_path, monkeypatch):
     """gpu_check --plain_only (the A/B run) skips the checks and measures the compiled plain step of each shape,
     then the cache-size comparison, here on a small shape added for the test."""
@@ -161,6 +166,7 @@ def test_gpu_check_plain_only_measures_a_shape_on_cpu(tmp_path, monkeypatch):
     assert set(sizes) >= {"512 slots", "1024 slots"} and sizes["1024 slots"]["recompiles_after_warmup"] == 0
 
 
+@pytest.mark.slow
 def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monkeypatch):
     """gpu_check --formats: the inflated demo in bf16 (fp32 on CPU), int8 and int4 g32 quantized in memory from
     it, each measured in its own section and summed up side by side (EAGLE-2 == plain in each, the demo's tau

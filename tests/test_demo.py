@@ -12,7 +12,7 @@ from tokenizer import Tokenizer
 
 DEMO = ROOT / "demo"
 sys.path.insert(0, str(ROOT / "scripts"))
-pytestmark = pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reason="no demo/ (scripts/make_demo.py)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reason="no demo/ (scripts/make_demo.py)")]
 # Floors well under the measured greedy tau (tokens emitted per cycle, 60/6/10): over these 12 prompts, and
 # over 40 in demo/RECIPE.json; sampling and summation order move it a little between machines.
 TAU_FLOOR = {"head": 4.0, "head3": 2.8}  # measured: head 4.91 (4.94 over 40), head3 3.45 (3.50 over 40)

@@ -201,6 +201,7 @@ def test_errors(checkpoints, tmp_path):
     expect_error(["--checkpoint_dir", str(neither)], "neither an EAGLE-1/2 nor an EAGLE-3", main=convert_main)
 
 
+@pytest.mark.slow
 def test_compiled_eagle3_cycle_does_not_recompile(agreeing):
     """The whole cycle with an EAGLE-3 head (own lm_head, d2t, fc only on target features) compiles to one
     graph and decodes exactly as eager across prompts and accepted lengths."""

@@ -26,7 +26,7 @@ REDUCED = {  # 512 wide, 6 layers, 8000 tokens; head_dim 128 as in the real shap
 GREEDY = SamplingConfig()
 TREE = TreeConfig(depth=6, topk=10, total_tokens=60)
 
-pytestmark = pytest.mark.skipif(not (DEMO / "target" / "model.pth").is_file(), reason="no demo/")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DEMO / "target" / "model.pth").is_file(), reason="no demo/")]
 
 
 @pytest.fixture(scope="module")

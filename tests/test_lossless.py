@@ -21,7 +21,9 @@ def context(tmp_path_factory):
     acceptance: 'noisy', 'noisy3')."""
     out = {}
     for noise, suffix in ((0.0, ""), (0.3, "noisy")):
-        target, head, head3 = make_context_pair(tmp_path_factory.mktemp(f"context{suffix}"), noise=noise)
+        # the noisy EAGLE-3 head also lacks 8 of the 64 tokens: its d2t maps a draft vocabulary of 56
+        target, head, head3 = make_context_pair(tmp_path_factory.mktemp(f"context{suffix}"), noise=noise,
+                                                missing=8 if noise else 0)
         for folder in (target, head, head3):
             convert(folder, **QUIET)
         out[suffix or "eagle"], out[suffix + "3" if suffix else "eagle3"] = (target, head), (target, head3)
@@ -61,12 +63,13 @@ def test_the_target_reads_the_two_tokens_before_through_attention(context):
 
 
 @pytest.mark.parametrize("name,tau_floor,tau_ceiling", [("eagle", 7.7, 8), ("eagle3", 7.7, 8),
-                                                       ("noisy", 3.5, 5.0), ("noisy3", 3.5, 5.5)])
+                                                       ("noisy", 3.9, 5.0), ("noisy3", 3.4, 4.5)])
 def test_greedy_speculative_equals_plain_and_accepts_deep(context, name, tau_floor, tau_ceiling):
     """Every node reads its parent (B1) and grandparent (B2) through the verify mask at its own position: a
     mask, position or compaction bug changes the target's tokens. The agreeing heads are right at every
     depth (measured tau 7.88 of at most depth + 2 = 8: a run's last cycle is cut by max_new_tokens); the
-    noisy ones measured 4.15 / 4.50. A catch-up that pairs the wrong features loses most of it."""
+    noisy ones measured 4.34 / 3.78 (floors just under: fp32 on a CPU repeats these exactly). A catch-up
+    that pairs the wrong features loses most of it."""
     model, draft = load(context[name])
     lengths = []
     for prompt in prompts(6):

@@ -177,6 +177,7 @@ def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tm
     assert tau >= (1.5 if draft_vocab else 2.2) and len(set(lengths)) >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
 def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize):
     target_path, head_path = quantized_pairs[mode, groupsize, "eagle"]
@@ -185,6 +186,8 @@ def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, 
     assert len(check_compiled_cycle(model, draft, TreeConfig(depth=3, topk=3, total_tokens=10))) >= 2
 
 
+@pytest.mark.slow
+@pytest.mark.stat
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
 def test_speculative_sampling_on_quantized_target_matches_its_distribution(tmp_path, mode, groupsize):
     """The chi-square check of test_sampling.py, the exact distribution enumerated by transformers on the

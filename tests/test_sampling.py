@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import generate
-from conftest import eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
+from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, accept, load_draft, load_target, logits_to_probs, sample
 
-VOCAB, PROMPT, N_TOKENS, N_RUNS = 8, [1, 5, 3], 3, 1000
+VOCAB, PROMPT, N_TOKENS = 8, [1, 5, 3], 3
 TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
+pytestmark = pytest.mark.stat  # EAGLET_STAT_SAMPLES draws per test (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def exact_distribution(target_dir, sampling):
 
 def speculative_samples(model, draft, sampling):
     counts, lengths = Counter(), []
-    for i in range(N_RUNS):
+    for i in range(STAT_SAMPLES):
         torch.manual_seed(i)
         result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE)
         counts[tuple(result.tokens)] += 1
@@ -91,14 +92,17 @@ def chi_square_p_below(counts, dist, alpha=1e-3):
     return stat > threshold
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9),
-                                      SamplingConfig(temperature=1.3, top_k=5)], ids=["t1", "t0.8-top_p0.9", "t1.3-top_k5"])
+@pytest.mark.parametrize("sampling", [
+    pytest.param(SamplingConfig(temperature=1.0), id="t1"),
+    pytest.param(SamplingConfig(temperature=0.8, top_p=0.9), id="t0.8-top_p0.9", marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.3, top_k=5), id="t1.3-top_k5", marks=pytest.mark.slow)])
 def test_speculative_sampling_matches_target_distribution(pair, sampling):
     target_dir, model, draft = pair
     counts = speculative_samples(model, draft, sampling)
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
 
 
+@pytest.mark.slow
 def test_eagle3_sampling_matches_target_distribution(eagle3_pair):
     target_dir, model, draft = eagle3_pair
     sampling = SamplingConfig(temperature=0.8, top_k=4)
@@ -123,6 +127,7 @@ def accept_with_draft_ratio(tree, logits, sampling, levels):
     return at_depth.int().argmax(1), tree.depths[best], sample(logits[best][None], sampling)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_rule", [bonus_from_unmodified_p, accept_with_draft_ratio])
 def test_wrong_acceptance_rules_are_caught(pair, monkeypatch, wrong_rule):
     target_dir, model, draft = pair

@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import generate
 from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, scripted_input, write_eagle_head
@@ -48,7 +49,6 @@ def test_greedy_speculative_equals_plain(pairs, name, tau_range):
         plain = generate.generate(model, prompt, 48, GREEDY)
         spec = generate.generate(model, prompt, 48, GREEDY, draft=draft)
         assert spec.tokens == plain.tokens
-        assert sum(spec.accept_lengths) >= len(spec.tokens) - 1  # the first token comes from the prefill
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
     print(f"{name} head: tau {tau:.2f} over {len(lengths)} cycles, accepted lengths seen {sorted(set(lengths))}")
@@ -107,7 +107,8 @@ def test_cli_end_to_end_with_published_head_format(checkpoints, tmp_path, fmt):
     weights = random_head_weights(64, 4, 4, 96, 96, fc_bias=with_extras, embed_copy=with_extras)
     write_eagle_head(head, weights, head_config(64, 4, 4, 96, 96, **({} if with_extras else {"bias": False})),
                      safetensors=not with_extras)
-    assert sorted(torch.load(head / "pytorch_model.bin") if with_extras else weights) == sorted(weights)
+    saved = torch.load(head / "pytorch_model.bin") if with_extras else load_file(str(head / "model.safetensors"))
+    assert sorted(saved) == sorted(weights)  # the published key names, embedding copy and bias as asked
     generate_args = ["--checkpoint_path", str(target / "model.pth"), "--prompt", "w5 w9 w11",
                      "--max_new_tokens", "30", "--device", "cpu"]
     from convert_hf_checkpoint import main as convert_main
@@ -120,8 +121,7 @@ def test_cli_end_to_end_with_published_head_format(checkpoints, tmp_path, fmt):
     generate.main(generate_args + ["--json_out", str(tmp_path / "plain.json")])
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert spec["tokens"] == plain["tokens"]
-    assert spec["cycles"] == len(spec["accept_lengths"]) > 0
-    assert sum(spec["accept_lengths"]) >= len(spec["tokens"]) - 1
+    assert spec["cycles"] > 0 and plain["cycles"] == 0  # the head ran, and only when asked
 
 
 def test_interactive_with_draft(pairs, monkeypatch, capsys):

@@ -106,6 +106,7 @@ def measured_tau(target, head, examples, tree=TreeConfig(depth=4, topk=4, total_
     return sum(lengths) / len(lengths)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_at_every_step_and_raises_tau(checkpoints, tmp_path):
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")

@@ -1,0 +1,291 @@
+"""Seeded bugs: each one applied alone to a temporary copy of the repository, then the tests run on it. A bug
+no test catches is a hole in the tests. After changing the cycle, run this to see that the tests still
+watch what you changed; after adding a feature, add its likely bugs to MUTANTS.
+
+    python scripts/mutants.py                  # every bug, the fast tier (pytest -m "not slow"), 2 jobs
+    python scripts/mutants.py --only catch-up  # the bugs whose name contains this
+    python scripts/mutants.py --full           # the whole suite for each bug (slower)
+
+Prints, per bug, the first test that failed (or SURVIVED), and exits non-zero if any bug survived.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutant:
+    name: str  # area: what is wrong
+    path: str  # file, from the repository root
+    old: str  # text found exactly once in the file
+    new: str
+
+
+M = Mutant
+MUTANTS = [
+    # accept and commit
+    M("accept: a child compared with its own pick, not its parent's", "generate.py",
+      "correct = tree.tokens == pick[tree.parents]", "correct = tree.tokens == pick"),
+    M("accept: a node accepted though an ancestor was rejected", "generate.py",
+      "accepted = (tree.ancestors & ~correct[None]).sum(dim=1) == 0", "accepted = correct"),
+    M("accept: the shallowest accepted node ends the path", "generate.py",
+      "best = torch.where(accepted, tree.depths, -1).argmax().view(1)",
+      "best = torch.where(accepted, -tree.depths, -99).argmax().view(1)"),
+    M("accept: the bonus is the root's pick", "generate.py",
+      "return path, tree.depths[best][0], pick[best][0]", "return path, tree.depths[best][0], pick[0]"),
+    M("accept: greedy acceptance when sampling", "generate.py",
+      "pick = sample(logits, sampling)  # [N]", "pick = logits.argmax(dim=-1)"),
+    M("commit: the bonus one step late", "generate.py",
+      "emitted = torch.where(steps == n_accepted, bonus,", "emitted = torch.where(steps == n_accepted + 1, bonus,"),
+    M("commit: emits the path's own tokens (root first)", "generate.py",
+      "tree.tokens[path.roll(-1)])", "tree.tokens[path])"),
+    M("generate: tokens after an EOS inside an accepted path are emitted", "generate.py",
+      "            if t in eos_ids or len(tokens) == max_new_tokens:\n                break",
+      "            if len(tokens) == max_new_tokens:\n                break"),
+    M("generate: a cycle cut at EOS still counts all its tokens", "generate.py",
+      "accept_lengths.append(len(tokens) - n_before)", "accept_lengths.append(len(new))"),
+    # masks
+    M("mask: the verify hides a node's grandparents", "generate.py",
+      "attention_mask(ctx_len, tree.ancestors, target.max_seq_length))",
+      "attention_mask(ctx_len, tree.ancestors & (tree.depths[:, None] - tree.depths[None] <= 1), "
+      "target.max_seq_length))"),
+    M("mask: the verify shows a node its siblings", "generate.py",
+      "attention_mask(ctx_len, tree.ancestors, target.max_seq_length))",
+      "attention_mask(ctx_len, tree.ancestors | (tree.parents[:, None] == tree.parents[None]), "
+      "target.max_seq_length))"),
+    M("mask: the last context slot is hidden", "model.py",
+      "return (cols < ctx_len) | (block", "return (cols < ctx_len - 1) | (block"),
+    M("mask: prefill and catch-up see the future", "model.py",
+      "torch.ones(n, n, dtype=torch.bool, device=input_pos.device).tril()",
+      "torch.ones(n, n, dtype=torch.bool, device=input_pos.device)"),
+    M("mask: a draft frontier node sees its cousins", "draft.py",
+      "anc[:, slots] |= torch.eye(topk, dtype=torch.bool, device=device)", "anc[:, slots] = True"),
+    M("mask: the frontier keeps its old ancestors after the rerank of a level", "draft.py",
+      "tokens, features, anc = child_tokens.flatten()[best], h[parent], anc[parent]",
+      "tokens, features = child_tokens.flatten()[best], h[parent]"),
+    # positions
+    M("positions: tree tokens at their slot, not their depth", "generate.py",
+      "target(tree.tokens[None], ctx_len + tree.depths, slots,",
+      "target(tree.tokens[None], ctx_len + torch.arange(tree.tokens.shape[0], device=ctx_len.device), slots,"),
+    M("positions: every draft level at the root's position", "draft.py",
+      "(ctx_len + i).expand(topk)", "ctx_len.expand(topk)"),
+    M("positions: the catch-up one slot late", "generate.py",
+      "pos = ctx_len + torch.arange(emitted.shape[0], device=ctx_len.device)",
+      "pos = ctx_len + 1 + torch.arange(emitted.shape[0], device=ctx_len.device)"),
+    M("positions: a reused prefix's continuation restarts at 0", "generate.py",
+      "input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)",
+      "input_pos = torch.arange(tokens.shape[1], device=tokens.device)"),
+    # compaction
+    M("compaction: source and destination swapped", "generate.py",
+      "target.compact_kv(ctx_len + path, ctx_len + steps)", "target.compact_kv(ctx_len + steps, ctx_len + path)"),
+    M("compaction: values not moved", "model.py",
+      "        self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))\n", ""),
+    # sampling
+    M("sampling: top-p drops the token that crosses it", "generate.py",
+      "drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p", "drop = sorted_probs.cumsum(-1) >= sampling.top_p"),
+    M("sampling: temperature ignored", "generate.py",
+      "logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature",
+      "logits = logits - logits.amax(dim=-1, keepdim=True)"),
+    M("sampling: top-k keeps one too many", "generate.py",
+      "kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])", "kth = torch.topk(logits, min(sampling.top_k + 1, logits.shape[-1])"),
+    M("sampling: the exponential race multiplies", "generate.py",
+      "torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)",
+      "torch.argmax(probs * torch.empty_like(probs).exponential_(1), dim=-1)"),
+    # rerank and the tree
+    M("rerank: keeps the worst nodes", "draft.py",
+      "torch.sort(pool_scores, descending=True, stable=True)", "torch.sort(pool_scores, descending=False, stable=True)"),
+    M("rerank: kept nodes by score, not in pool order (a child before its parent)", "draft.py",
+      ".indices[:total_tokens - 1].sort().values", ".indices[:total_tokens - 1]"),
+    M("rerank: ancestors two generations short", "draft.py",
+      "for _ in range(levels):  # each pass", "for _ in range(levels - 2):  # each pass"),
+    M("tree: scores not cumulative", "draft.py",
+      "child_scores = (scores[:, None] + child_logp).flatten()", "child_scores = child_logp.flatten()"),
+    M("tree: a level's parents point into the wrong level", "draft.py",
+      "frontier = base + best", "frontier = best"),
+    # catch-up
+    M("catch-up: the parents' features", "generate.py",
+      "catch_up(target, draft, emitted, features[path], ctx_len, n_accepted)",
+      "catch_up(target, draft, emitted, features[tree.parents[path]], ctx_len, n_accepted)"),
+    M("catch-up: the first tree nodes' features", "generate.py",
+      "catch_up(target, draft, emitted, features[path], ctx_len, n_accepted)",
+      "catch_up(target, draft, emitted, features[:tree_config.levels], ctx_len, n_accepted)"),
+    M("catch-up: hands on the first pair's output", "generate.py",
+      "return h.index_select(0, n_accepted.view(1))[0]", "return h.index_select(0, (n_accepted * 0).view(1))[0]"),
+    M("catch-up: the token before start_pos not re-run in a later turn", "generate.py",
+      "first = max(start_pos - 1, 0) if draft else start_pos", "first = start_pos"),
+    M("catch-up: the prompt's last pair skipped", "generate.py",
+      "torch.tensor(len(pairs) - 1, device=device))", "torch.tensor(max(len(pairs) - 2, 0), device=device))"),
+    # EAGLE-3 features and d2t
+    M("eagle3: feature layer ids read as layer inputs", "draft.py",
+      "layers = tuple(k + 1 for k in ids) if ids", "layers = tuple(k for k in ids) if ids"),
+    M("eagle3: features taken after the layer", "model.py",
+      "            if i in self.feature_layers:\n                layer_inputs[i] = x\n"
+      "            x = layer(x, cos, sin, cache_slots, mask)",
+      "            x = layer(x, cos, sin, cache_slots, mask)\n"
+      "            if i in self.feature_layers:\n                layer_inputs[i] = x"),
+    M("eagle3: draft ids not mapped to target ids", "draft.py",
+      "return logp, ids if self.draft_to_target is None else self.draft_to_target[ids]", "return logp, ids"),
+    M("eagle3: d2t subtracted", "draft.py",
+      "draft_to_target = torch.arange(draft_vocab) + d2t", "draft_to_target = torch.arange(draft_vocab) - d2t.abs()"),
+    M("eagle3: attention input halves swapped", "draft.py",
+      "torch.cat([self.embed_norm(embeds), self.hidden_norm(x)], dim=-1)",
+      "torch.cat([self.hidden_norm(x), self.embed_norm(embeds)], dim=-1)"),
+    M("eagle3: no residual around the attention", "draft.py",
+      "h = x + self.attention(attn_in, cos, sin, cache_slots, mask)", "h = self.attention(attn_in, cos, sin, cache_slots, mask)"),
+    # conversion
+    M("conversion: q and k swapped", "convert_hf_checkpoint.py",
+      'torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "qkv"])',
+      'torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "kqv"])'),
+    M("conversion: k and v biases swapped", "convert_hf_checkpoint.py",
+      'torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])',
+      'torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qvk"])'),
+    M("conversion: gate and up swapped", "convert_hf_checkpoint.py",
+      'torch.cat([weights.pop(f"{mlp}gate_proj.weight"),\n                                                    '
+      'weights.pop(f"{mlp}up_proj.weight")])',
+      'torch.cat([weights.pop(f"{mlp}up_proj.weight"),\n                                                    '
+      'weights.pop(f"{mlp}gate_proj.weight")])'),
+    M("conversion: EAGLE-3 norms swapped", "convert_hf_checkpoint.py",
+      '"layer.hidden_norm.weight": weights.pop("midlayer.hidden_norm.weight"),\n'
+      '               "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}',
+      '"layer.hidden_norm.weight": weights.pop("midlayer.input_layernorm.weight"),\n'
+      '               "layer.embed_norm.weight": weights.pop("midlayer.hidden_norm.weight")}'),
+    M("conversion: the head's fc bias dropped", "convert_hf_checkpoint.py",
+      'out["fc.bias"] = weights.pop("fc.bias")', 'weights.pop("fc.bias")'),
+    # validation: each check removed
+    M("validation: a config that is not a JSON object", "model.py",
+      "    if not isinstance(config, dict):\n        raise", "    if False:\n        raise"),
+    M("validation: config sizes missing", "model.py", "    if missing:\n        raise EagletError(f\"config is missing",
+      "    if False:\n        raise EagletError(f\"config is missing"),
+    M("validation: config sizes below 1", "model.py", "(type(value) is not int or value < 1)", "(type(value) is not int)"),
+    M("validation: rms_norm_eps and rope_theta values", "model.py",
+      "if type(value) not in (int, float) or not 0 < value < math.inf:", "if False:"),
+    M("validation: heads not a multiple of K/V heads", "model.py", "if heads % kv_heads or (", "if ("),
+    M("validation: a head with more than one layer", "draft.py",
+      'if "fc.weight" not in keys or config.get("num_hidden_layers", 1) != 1:', 'if "fc.weight" not in keys:'),
+    M("validation: a head for another target", "draft.py",
+      "if args.dim != target.dim or config.get(\"vocab_size\", target.vocab_size) != target.vocab_size:",
+      "if args.dim != target.dim:"),
+    M("validation: d2t maps two draft tokens to one (loading)", "draft.py",
+      "draft_to_target.unique().numel() != draft_vocab", "False"),
+    M("validation: d2t maps two draft tokens to one (conversion)", "convert_hf_checkpoint.py",
+      "if target_ids.unique().numel() != draft_vocab:", "if False:"),
+    M("validation: a head's bias flag disagrees with its weights", "convert_hf_checkpoint.py",
+      "if config.get(\"bias\", True) != (\"fc.bias\" in out):", "if False:"),
+    M("validation: unexpected weights in a target dropped", "convert_hf_checkpoint.py",
+      "tie_word_embeddings is false\")\n    if weights:", "tie_word_embeddings is false\")\n    if False:"),
+    M("validation: negative temperature", "generate.py", "if self.temperature < 0:", "if False:"),
+    M("validation: total_tokens above what the tree can hold", "generate.py",
+      "if not 2 <= self.total_tokens <= self.max_total_tokens:", "if not 2 <= self.total_tokens:"),
+    M("validation: a prompt that does not fit the cache", "generate.py", "if need > model.max_seq_length:", "if False:"),
+    # the rest
+    M("streamer: prints half a character", "generate.py", 'if not self.text.endswith("\\ufffd"):', "if True:"),
+    M("quantize: int8 scale off by one step", "quantize.py",
+      "scales = (w.abs().amax(dim=1) / 127)", "scales = (w.abs().amax(dim=1) / 128)"),
+]
+
+
+def repository_files() -> list:
+    """What a fork holds: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"error: {ROOT} is not a git checkout ({out.stderr.strip()})")
+    return [f for f in out.stdout.splitlines() if (ROOT / f).is_file()]
+
+
+def copy_repository(files: list, dst: Path):
+    for f in files:
+        (dst / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dst / f)
+    shared = ROOT.parent / "shared"  # tests that read the shared data find it beside the copy
+    if shared.is_dir() and not (dst.parent / "shared").exists():
+        (dst.parent / "shared").symlink_to(shared)
+
+
+def run_tests(repo: Path, pytest_args: list, timeout: int):
+    """(passed, first failing test or why, seconds)."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args],
+                             cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timeout after {timeout} s", time.perf_counter() - t0
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out.stdout, re.M)
+    why = failed.group(1) if failed else (out.stdout.strip().splitlines() or ["no output"])[-1]
+    return out.returncode == 0, why, time.perf_counter() - t0
+
+
+def check_mutants(mutants: list):
+    for m in mutants:
+        text = (ROOT / m.path).read_text()
+        if text.count(m.old) != 1:
+            sys.exit(f"error: mutant {m.name!r}: its text occurs {text.count(m.old)} times in {m.path} (expected once); "
+                     "update MUTANTS after changing the code")
+
+
+def worker(files: list, mutants: list, pytest_args: list, timeout: int, report) -> list:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
+        repo = Path(tmp) / "repo"
+        copy_repository(files, repo)
+        for m in mutants:
+            path = repo / m.path
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new))
+            passed, why, seconds = run_tests(repo, pytest_args, timeout)
+            path.write_text(original)
+            results.append((m, not passed, why, seconds))
+            report(m, not passed, why, seconds)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="run the bugs whose name contains this text")
+    p.add_argument("--full", action="store_true", help="the whole suite for each bug (default: pytest -m 'not slow')")
+    p.add_argument("--jobs", type=int, default=2, help="bugs tested at once, each in its own copy (default: 2)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before a test run counts as a hang (caught)")
+    p.add_argument("--no_baseline", action="store_true", help="skip the check that the unchanged tests pass")
+    args = p.parse_args(argv)
+    if args.jobs < 1 or args.timeout < 1:
+        p.error("--jobs and --timeout must be at least 1")
+    mutants = [m for m in MUTANTS if args.only in m.name]
+    if not mutants:
+        p.error(f"no bug's name contains {args.only!r}")
+    check_mutants(mutants)
+    pytest_args = ["tests"] if args.full else ["-m", "not slow", "tests"]
+    files = repository_files()
+    t0 = time.perf_counter()
+    if not args.no_baseline:
+        with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
+            copy_repository(files, Path(tmp) / "repo")
+            passed, why, seconds = run_tests(Path(tmp) / "repo", pytest_args, args.timeout)
+        if not passed:
+            sys.exit(f"error: the unchanged tests fail ({why}): fix them before seeding bugs")
+        print(f"baseline: the unchanged tests pass ({seconds:.0f} s)", flush=True)
+
+    def report(m, caught, why, seconds):
+        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name}  [{why}, {seconds:.0f} s]", flush=True)
+    shares = [mutants[i::args.jobs] for i in range(args.jobs)]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = [r for rs in pool.map(lambda share: worker(files, share, pytest_args, args.timeout, report), shares)
+                   for r in rs]
+    survivors = [m.name for m, caught, _, _ in results if not caught]
+    print(f"\n{len(results) - len(survivors)} of {len(results)} seeded bugs caught "
+          f"({'full suite' if args.full else 'fast tier'}, {(time.perf_counter() - t0) / 60:.1f} min)")
+    if survivors:
+        sys.exit("survived:\n  " + "\n  ".join(survivors))
+
+
+if __name__ == "__main__":
+    main()
