@@ -13,10 +13,11 @@ from tokenizer import Tokenizer
 DEMO = ROOT / "demo"
 sys.path.insert(0, str(ROOT / "scripts"))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DEMO / "head" / "draft.pth").exists(), reason="no demo/ (scripts/make_demo.py)")]
-# Floors well under the measured greedy tau (tokens emitted per cycle, 60/6/10): over these 12 prompts, and
-# over 40 in demo/RECIPE.json; sampling and summation order move it a little between machines.
-TAU_FLOOR = {"head": 4.0, "head3": 2.8}  # measured: head 4.91 (4.94 over 40), head3 3.45 (3.50 over 40)
-QUANTIZED_TAU_FLOOR = {"int8": 4.0, "int4": 4.0}  # measured: int8 4.97 over 6 prompts, int4 g128 see print
+# Floors just under the greedy tau measured on these 12 prompts (tokens emitted per cycle, tree 60/6/10), fp32
+# on a CPU, which repeats it exactly: a bug that only costs acceptance still shows (a catch-up reading the
+# wrong features gave 4.04 for `head`). Measured: head 4.91 (4.94 over 40 in demo/RECIPE.json), head3 3.45.
+TAU_FLOOR = {"head": 4.85, "head3": 3.40}
+QUANTIZED_TAU_FLOOR = {"int8": 4.9, "int4": 4.95}  # measured: int8 4.97 over 6 prompts, int4 g128 5.04 over 2
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_demo_sampling_runs(demo):
     draft = load_draft(DEMO / "head" / "draft.pth", model)
     torch.manual_seed(0)
     result = generate(model, prompts[0], 64, SamplingConfig(temperature=1.0), draft=draft)
-    assert len(result.tokens) == 64 and result.tau >= 1
+    assert len(result.tokens) == 64 and result.tau >= 4.0  # measured 4.21 with this seed
 
 
 def test_generate_without_flags_uses_the_demo(tmp_path):

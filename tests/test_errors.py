@@ -424,3 +424,23 @@ def test_eagle3_head_is_checked_at_load(checkpoints, tmp_path, case):
         edit(tmp_path / "head")
     expect_error(["--checkpoint_path", str(target / "model.pth"), "--device", "cpu", "--prompt", "w1 w2",
                   "--draft_checkpoint_path", str(tmp_path / "head" / "draft.pth")], match)
+
+
+@pytest.mark.parametrize("key,bad", [("num_hidden_layers", 0), ("vocab_size", -3), ("num_key_value_heads", 0),
+                                     ("hidden_size", 64.0), ("intermediate_size", "96")])
+def test_config_sizes_must_be_positive_integers(key, bad):
+    from model import EagletError, ModelArgs
+    config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, key: bad}
+    with pytest.raises(EagletError, match=f"config {key} must be a positive integer, got {bad!r}"):
+        ModelArgs.from_hf_config(config)
+
+
+def test_sampling_settings_out_of_range_are_refused():
+    """The CLI's flags refuse these before parsing ends; the Python API's SamplingConfig refuses them too."""
+    from generate import SamplingConfig
+    from model import EagletError
+    for bad, match in [(dict(temperature=-0.5), "temperature must be >= 0"), (dict(top_p=0.0), "top_p must be in"),
+                       (dict(top_p=1.5), "top_p must be in"), (dict(top_k=-1), "top_k must be >= 0")]:
+        with pytest.raises(EagletError, match=match):
+            SamplingConfig(**bad)
