@@ -4,7 +4,8 @@ import argparse
 import math
 import re
 import sys
-from typing import Callable
+import time
+from typing import Callable, Union
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 
@@ -59,3 +60,90 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("is not valid UTF-8 text")
     return text
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 3m05s, 2h03m, 3d04h."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 48 * 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_rate(per_second: float) -> str:
+    """Items per second, or seconds per item when that reads better (below one a second)."""
+    if per_second >= 1:
+        return f"{per_second:.3g}/s" if per_second < 1000 else f"{per_second:.0f}/s"
+    return f"{1 / per_second:.3g} s each"
+
+
+class Progress:
+    """Progress of a long loop: `WHAT done/total UNIT (p%), RATE, elapsed E, ETA T[; detail]`.
+
+    update(done) prints a line when one is worth it: when the work has advanced by every_fraction of the
+    total since the last line, or when time has passed since it (every_s at first, then a twentieth of the
+    time elapsed, at most max_every_s, so a day-long run writes hundreds of lines, not thousands), and
+    always at the end (done == total, without the ETA). Written to a terminal, the line is redrawn in place
+    instead (at most every redraw_s) and ends with a newline; written to a log (log= given, or stdout not a
+    terminal) every line is a line. The rate counts this run's items only (start: those done before it,
+    as a resumed training's steps). detail: text after the counts, or a function giving it, called only
+    when a line is printed (a training step's means, which cost a device sync). clock: for tests."""
+
+    def __init__(self, what: str, total: int, unit: str = "items", start: int = 0, log: Callable = None,
+                 every_fraction: float = 0.05, every_s: float = 10.0, max_every_s: float = 120.0,
+                 redraw_s: float = 0.5, clock: Callable = time.monotonic, stream=None):
+        self.what, self.total, self.unit, self.start = what, max(total, 0), unit, start
+        self.every_s, self.max_every_s, self.redraw_s = every_s, max_every_s, redraw_s
+        self.every_items = max(1, round(every_fraction * self.total))
+        self.clock, self.stream = clock, stream or sys.stdout
+        self.log = None if log is print else log  # print is stdout, which may be a terminal
+        self.live = self.log is None and getattr(self.stream, "isatty", lambda: False)()
+        self.t0 = self.last_time = clock()
+        self.last_done = start
+        self.finished = False
+
+    def line(self, done: int, detail: str = "", now: float = None) -> str:
+        elapsed = (self.clock() if now is None else now) - self.t0
+        percent = f" ({100 * done / self.total:.1f}%)" if self.total else ""
+        parts = [f"{self.what} {done}/{self.total} {self.unit}{percent}"]
+        rate = (done - self.start) / elapsed if elapsed > 0 and done > self.start else None
+        parts.append(format_rate(rate) if rate else "rate not known yet")
+        parts.append(f"elapsed {format_duration(elapsed)}")
+        if done < self.total:
+            parts.append(f"ETA {format_duration((self.total - done) / rate)}" if rate else "ETA not known yet")
+        return ", ".join(parts) + (f"; {detail}" if detail else "")
+
+    def due(self, done: int, now: float = None) -> bool:
+        """Whether update(done) would print now."""
+        now = self.clock() if now is None else now
+        if done >= self.total:
+            return not self.finished
+        if self.live:
+            return now - self.last_time >= self.redraw_s
+        wait = min(max(self.every_s, (now - self.t0) / 20), self.max_every_s)
+        return done - self.last_done >= self.every_items or now - self.last_time >= wait
+
+    def update(self, done: int, detail: Union[str, Callable[[], str]] = "") -> Union[str, None]:
+        """Print the line if it is due (see the class); returns it, or None."""
+        now = self.clock()
+        if not self.due(done, now):
+            return None
+        return self.show(done, detail, now)
+
+    def show(self, done: int, detail: Union[str, Callable[[], str]] = "", now: float = None) -> str:
+        """Print the line now, due or not."""
+        now = self.clock() if now is None else now
+        text = self.line(done, detail() if callable(detail) else detail, now)
+        self.last_time, self.last_done, self.finished = now, done, done >= self.total
+        if self.log is not None:
+            self.log(text)
+        elif self.live:  # \r and clear to the end of the line; the last line stays
+            self.stream.write(f"\r{text}\x1b[K" + ("\n" if self.finished else ""))
+            self.stream.flush()
+        else:
+            print(text, file=self.stream, flush=True)
+        return text
