@@ -26,6 +26,16 @@ def total_tokens_flag(text: str):
     return text if text == "auto" else int_flag(2)(text)
 
 
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ArgumentTypeError(f"is not valid JSON: {e}")
+    if not isinstance(value, dict):
+        raise ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", type=Path, default=None,
@@ -57,12 +67,18 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--chat_template", default="auto",
-                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2 or vicuna")
+                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2, vicuna, "
+                        "or a .jinja file")
+    p.add_argument("--chat_template_kwargs", type=json_object, default=None,
+                   help='extra variables for the chat template, as JSON, e.g. \'{"enable_thinking": false}\' (Qwen3)')
+    p.add_argument("--stop", type=utf8_text, action="append", default=None,
+                   help="end the reply where this text appears, cut before it (repeatable)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
     p.add_argument("--max_seq_length", type=int_flag(1), default=None,
                    help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
     p.add_argument("--json_out", type=Path, default=None,
-                   help="write prompt_tokens, tokens, text, tokens_per_s, accept_lengths, cycles as JSON")
+                   help="write the prompt's tokens and each sample's tokens, text, tokens/s, accept lengths and tau "
+                        "as JSON, with their means")
     args = p.parse_args(argv)
     args.demo = args.checkpoint_path is None
     if args.demo:  # a small code model and its head, shipped in demo/
@@ -75,6 +91,10 @@ def parse_args(argv=None):
         args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
     if args.system is not None and not (args.chat or args.interactive):
         p.error("--system needs --chat or --interactive")
+    if args.chat_template_kwargs is not None and not (args.chat or args.interactive):
+        p.error("--chat_template_kwargs needs --chat or --interactive")
+    if args.stop and not all(args.stop):
+        p.error("--stop needs a non-empty text")
     if args.interactive and args.json_out:
         p.error("--json_out records one generation; --interactive has many (give a --prompt instead)")
     if args.no_draft:
@@ -92,7 +112,7 @@ from torch import Tensor  # noqa: E402
 
 from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab  # noqa: E402
 from model import (EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask,  # noqa: E402
-                   decode_mask)
+                   decode_mask, read_config)
 from tokenizer import Tokenizer  # noqa: E402
 
 PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
@@ -360,8 +380,10 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
-    decode_one_token / speculative_cycle (their compiled versions).
+    decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
+    step; if it returns a number, that many of them are kept and generation ends (stop strings).
     """
+    prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
     if max_new_tokens == 0:
@@ -381,8 +403,10 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             tokens.append(t)
             if t in eos_ids or len(tokens) == max_new_tokens:
                 break
-        if on_tokens:
-            on_tokens(tokens[start:])
+        keep = on_tokens(tokens[start:]) if on_tokens else None
+        if keep is not None:
+            del tokens[start + keep:]
+            return True
         return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
 
     done = emit([token.item()])
@@ -410,6 +434,19 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             accept_lengths.append(len(tokens) - n_before)
     device_sync(device)
     return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+
+
+def one_prompt(prompt_tokens) -> list:
+    """The prompt as a list of ints; a batch (several prompts) is refused by name."""
+    if isinstance(prompt_tokens, Tensor):
+        if prompt_tokens.ndim == 2 and prompt_tokens.shape[0] == 1:
+            prompt_tokens = prompt_tokens[0]
+        prompt_tokens = prompt_tokens.tolist() if prompt_tokens.ndim == 1 else [prompt_tokens.tolist()]
+    prompt_tokens = list(prompt_tokens)
+    if not all(isinstance(t, int) for t in prompt_tokens):
+        raise EagletError("generate() takes one prompt, a list of token ids; several prompts at once (a batch) "
+                          "are not supported: call it once per prompt")
+    return prompt_tokens
 
 
 def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: int = 0):
@@ -469,9 +506,29 @@ def pick_device(name: str) -> str:
     return name
 
 
+def converted_file(path, name: str) -> Path:
+    """A converted checkpoint given as the file or as its folder (holding name: model.pth or draft.pth);
+    a Hugging Face file or folder is refused with the command that converts it."""
+    path = Path(path)
+    convert = "convert it first: python convert_hf_checkpoint.py --checkpoint_dir"
+    if path.is_dir():
+        if (path / name).is_file():
+            return path / name
+        others = sorted(p.name for p in path.glob("*.pth"))
+        if others:
+            raise EagletError(f"no {name} in {path}; it holds {', '.join(others)}: give the file itself")
+        if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
+            raise EagletError(f"{path} holds Hugging Face weights, not a converted {name}: {convert} {path}")
+        raise EagletError(f"no {name} in {path} ({convert} on the model's folder)")
+    if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
+        raise EagletError(f"{path} is a Hugging Face weights file, not a converted {name}: {convert} {path.parent}")
+    return path
+
+
 def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0) -> Transformer:
-    """The target on device in precision, with a KV cache of max_seq_length slots (none if 0)."""
-    model = Transformer.from_checkpoint(checkpoint_path, device=device, dtype=PRECISIONS[precision])
+    """The target on device in precision, with a KV cache of max_seq_length slots (none if 0).
+    checkpoint_path: model.pth (or a quantized one) or its folder."""
+    model = Transformer.from_checkpoint(converted_file(checkpoint_path, "model.pth"), device=device, dtype=PRECISIONS[precision])
     if max_seq_length:
         with torch.device(device):
             model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
@@ -483,6 +540,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
     the target's (if that has one yet). The target is set to return the features the head reads.
     draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
     beside the head, if there is one ("full": the whole vocabulary)."""
+    checkpoint_path = converted_file(checkpoint_path, "draft.pth")
     weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
     draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
     target.set_feature_layers(draft.feature_layers)
@@ -503,24 +561,41 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
 class TextStreamer:
     """Prints text as tokens arrive. Decodes the whole reply after the prompt's last token, so that word
     boundaries (sentencepiece's leading spaces) and multi-token characters come out right. `text` is the
-    whole continuation: the prompt's text followed by it is what was printed."""
+    whole continuation: the prompt's text followed by it is what was printed. With stop strings, the text
+    ends before the first one, and a call returns how many of its new tokens to keep (generate() stops)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True):
-        self.tokenizer, self.enabled = tokenizer, enabled
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True, stop=()):
+        self.tokenizer, self.enabled, self.stop = tokenizer, enabled, [s for s in stop or () if s]
         self.tokens = [t for t in prompt_tokens[-1:] if t not in tokenizer.eos_ids]
         self.skip = len(tokenizer.decode(self.tokens))
         self.text, self.printed = "", 0
 
-    def __call__(self, new_tokens: list):
+    def __call__(self, new_tokens: list) -> Optional[int]:
+        before = len(self.tokens)
         self.tokens.extend(t for t in new_tokens if t not in self.tokenizer.eos_ids)
         self.text = self.tokenizer.decode(self.tokens)[self.skip:]
+        if self.stop and self.stop_at(self.text) is not None:
+            for keep in range(1, len(new_tokens) + 1):  # the fewest new tokens whose text holds a stop string
+                kept = [t for t in new_tokens[:keep] if t not in self.tokenizer.eos_ids]
+                end = self.stop_at(self.tokenizer.decode(self.tokens[:before] + kept)[self.skip:])
+                if end is not None:
+                    self.text = self.text[:end]
+                    self.flush()
+                    return keep
         if not self.text.endswith("\ufffd"):  # wait for the rest of a multi-token character
-            self.flush()
+            # hold back what could be the start of a stop string
+            self.flush(len(self.text) - max((len(s) - 1 for s in self.stop), default=0))
+        return None
 
-    def flush(self):
+    def stop_at(self, text: str) -> Optional[int]:
+        ends = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(ends) if ends else None
+
+    def flush(self, upto: Optional[int] = None):
+        upto = len(self.text) if upto is None else max(upto, self.printed)
         if self.enabled:
-            print(self.text[self.printed:], end="", flush=True)
-        self.printed = len(self.text)
+            print(self.text[self.printed:upto], end="", flush=True)
+        self.printed = upto
 
 
 def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,
@@ -551,26 +626,48 @@ def warm_up(gen: Callable, prompt: list, max_new_tokens: int):
 
 
 def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Callable):
-    result = streamer = None
+    samples = []
     if args.compile:
         warm_up(gen, prompt, args.max_new_tokens)
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
         print(f"--- sample {i + 1}/{args.num_samples}")
         print(args.prompt, end="", flush=True)
-        streamer = TextStreamer(tokenizer, prompt)
+        streamer = TextStreamer(tokenizer, prompt, stop=args.stop)
         result = gen(prompt, args.max_new_tokens, on_tokens=streamer)
         streamer.flush()
         show(result)
+        samples.append({"seed": args.seed + i, "tokens": result.tokens, "text": streamer.text,
+                        "tokens_per_s": result.tokens_per_s, "accept_lengths": result.accept_lengths,
+                        "cycles": len(result.accept_lengths), "tau": result.tau if result.accept_lengths else None})
+    summary = summarize(samples)
+    if args.num_samples > 1:
+        print(f"\n{len(samples)} samples: {summary['tokens_per_s_mean']:.2f} tokens/s mean (min "
+              f"{summary['tokens_per_s_min']:.2f}, max {summary['tokens_per_s_max']:.2f})"
+              + (f", tau {summary['tau']:.2f} over all {summary['cycles']} cycles" if summary["cycles"] else ""))
+    if args.demo:
+        print("(the demo's target has 4M parameters: on a CPU its forward costs about as much as a draft pass, so "
+              "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here; "
+              "the text is the same either way. Speculation pays where each forward reads gigabytes of weights: "
+              "a 7B model on a GPU)")
     if args.json_out:
-        write_output(args.json_out, json.dumps({
-            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": streamer.text,
-            "tokens_per_s": result.tokens_per_s, "accept_lengths": result.accept_lengths,
-            "cycles": len(result.accept_lengths)}))
+        write_output(args.json_out, json.dumps({"prompt_tokens": prompt, "samples": samples, **summary}))
+
+
+def summarize(samples: list) -> dict:
+    """Across samples: tokens/s mean, min and max, and tau over all their cycles (tokens emitted per cycle)."""
+    speeds = [s["tokens_per_s"] for s in samples]
+    cycles = sum(s["cycles"] for s in samples)
+    emitted = sum(sum(s["accept_lengths"]) for s in samples)
+    return {"tokens_per_s_mean": sum(speeds) / len(speeds), "tokens_per_s_min": min(speeds),
+            "tokens_per_s_max": max(speeds), "cycles": cycles, "tau": emitted / cycles if cycles else None}
+
+
+CHAT_HELP = "/reset starts a new conversation, /help shows this, /quit (or Ctrl-D) quits; Ctrl-C stops a reply"
 
 
 def read_turn() -> Optional[str]:
-    """The user's next message; None when they quit (end of input, Ctrl-D or Ctrl-C)."""
+    """The user's next message; None when they quit (end of input, Ctrl-D, Ctrl-C or /quit)."""
     while True:
         try:  # undecodable bytes: a strict stdin refuses them, a surrogateescape one passes them on to utf8_text
             user = utf8_text(input("\nUser: "))
@@ -580,6 +677,8 @@ def read_turn() -> Optional[str]:
         except (UnicodeDecodeError, ArgumentTypeError):
             print("error: that line is not valid UTF-8; type it again")
             continue
+        if user.strip() == "/quit":
+            return None
         if user.strip():
             return user
 
@@ -593,8 +692,13 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_slots: int,
     if args.compile:
         warm_up(gen, tokenizer.encode_chat(system + [{"role": "user", "content": "Hi"}]), args.max_new_tokens)
     torch.manual_seed(args.seed)
-    print("Chat with the model; Ctrl-D (or Ctrl-C) quits.")
+    print(f"Chat with the model. {CHAT_HELP}.")
     while (user := read_turn()) is not None:
+        if user.strip() in ("/help", "/reset"):
+            if user.strip() == "/reset":
+                messages, cached = [], []
+            print(CHAT_HELP if user.strip() == "/help" else "(a new conversation)")
+            continue
         messages.append({"role": "user", "content": user})
         prompt = tokenizer.encode_chat(system + messages)
         if cache_room(prompt) < 1 and len(messages) > 1:
@@ -612,14 +716,22 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_slots: int,
         while start < min(len(cached), len(prompt) - 1) and cached[start] == prompt[start]:
             start += 1
         print("Assistant: ", end="", flush=True)
-        streamer = TextStreamer(tokenizer, prompt)
-        result = gen(prompt, min(args.max_new_tokens, room), start_pos=start, on_tokens=streamer)
+        streamer = TextStreamer(tokenizer, prompt, stop=args.stop)
+        try:
+            result = gen(prompt, min(args.max_new_tokens, room), start_pos=start, on_tokens=streamer)
+        except KeyboardInterrupt:  # the reply so far stays in the conversation; what the cache holds is unknown,
+            streamer.flush()      # so the next turn prefills the whole conversation again
+            print("\n(stopped)")
+            messages.append({"role": "assistant", "content": streamer.text})
+            cached = []
+            continue
         streamer.flush()
         if room < args.max_new_tokens and len(result.tokens) == room:
             print(f"\n(reply cut at {room} tokens: the cache is full)", end="")
         show(result)
         cached = prompt + result.tokens[:-1]  # the last token was sampled but never fed back
-        messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens)})
+        messages.append({"role": "assistant", "content": streamer.text if args.stop else
+                         tokenizer.decode(result.tokens)})
 
 
 def check_writable(path: Path, what: str):
@@ -662,18 +774,19 @@ def configs(args, draft: Optional[DraftHead] = None):
 def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int) -> int:
     """--max_seq_length, or what this run needs; a total over the model's limit names its parts."""
     limit = model.args.max_position_embeddings
-    if args.max_seq_length or prompt is None:
+    if prompt is None:
         size = args.max_seq_length or min(4096, limit)
-        if prompt is None and size < scratch + 16:  # --interactive: room for a short turn and its reply
+        if size < scratch + 16:  # --interactive: room for a short turn and its reply
             raise EagletError(f"--max_seq_length {size} leaves no room for a conversation beside the tree scratch "
                               f"({scratch}): give at least {scratch + 16}")
         return size
     need = len(prompt) + args.max_new_tokens + scratch
-    if need > limit:
+    bound, what = (args.max_seq_length, f"--max_seq_length ({args.max_seq_length})") if args.max_seq_length else \
+        (limit, f"the model's max_position_embeddings ({limit})")
+    if need > bound:
         raise EagletError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens})"
-                          f"{f' + tree scratch ({scratch})' if scratch else ''} = {need} exceeds the model's "
-                          f"max_position_embeddings ({limit})")
-    return need
+                          f"{f' + tree scratch ({scratch})' if scratch else ''} = {need} exceeds {what}")
+    return args.max_seq_length or need
 
 
 def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
@@ -689,12 +802,15 @@ def load(args):
     sampling, tree = configs(args)  # checks the flags before anything is loaded
     if args.json_out:
         check_writable(args.json_out, "--json_out")
+    args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
+    if args.draft_checkpoint_path:
+        args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
     model = load_target(args.checkpoint_path, args.device, args.precision)
     draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
         if args.draft_checkpoint_path else None
     if draft is not None:
         sampling, tree = configs(args, draft)
-    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
+    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template, args.chat_template_kwargs)
     check_tokenizer(tokenizer, model)
     if args.chat or args.interactive:
         print(f"chat template: {tokenizer.chat_template_source}")
@@ -714,10 +830,21 @@ def load(args):
         tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
     if draft is not None and tree.topk > draft.vocab_size:
         raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
-    head = f"head {args.draft_checkpoint_path.name} ({weights_format(draft)}), tree {tree.total_tokens} tokens, " \
-        f"depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
-    print(f"target {args.checkpoint_path.name} ({weights_format(model)}); {head}; {args.device}, {args.precision}")
+    head = f"head {short_path(args.draft_checkpoint_path)} ({weights_format(draft)}), tree {tree.total_tokens} " \
+        f"tokens, depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
+    print(f"target {short_path(args.checkpoint_path)} ({weights_format(model)}); {head}; {args.device}, "
+          f"{args.precision}")
+    trained = read_config(args.draft_checkpoint_path.parent).get("max_position_embeddings") if draft else None
+    if isinstance(trained, int) and trained < model.max_seq_length:
+        print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
+              f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "
+              "stays exact)")
     return model, tokenizer, draft, sampling, tree, prompt
+
+
+def short_path(path: Path) -> str:
+    """folder/file: names a checkpoint (every target is a model.pth) without the whole path."""
+    return f"{path.parent.name}/{path.name}"
 
 
 def main(argv=None):

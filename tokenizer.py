@@ -8,6 +8,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 from model import EagletError
 
@@ -55,8 +56,9 @@ def token_content(token) -> str:
 class Tokenizer:
     """encode / decode / eos_ids / apply_chat_template over either tokenizer format."""
 
-    def __init__(self, path, chat_template: str = "auto"):
-        """path: a checkpoint folder, or a tokenizer.json / sentencepiece .model file itself."""
+    def __init__(self, path, chat_template: str = "auto", template_kwargs: Optional[dict] = None):
+        """path: a checkpoint folder, or a tokenizer.json / sentencepiece .model file itself.
+        chat_template: auto, a built-in name, or a .jinja file; template_kwargs: extra variables it reads."""
         path = Path(path)
         checkpoint_dir = path.parent if path.is_file() else path
         json_file = path if path.is_file() and path.suffix == ".json" else checkpoint_dir / "tokenizer.json"
@@ -77,6 +79,10 @@ class Tokenizer:
         self.eos_token = token_content(tok_config.get("eos_token")) or (self.sp and self.sp.id_to_piece(self.sp.eos_id()))
         self.eos_ids = self._eos_ids(checkpoint_dir)
         self.chat_template, self.chat_template_source = self._pick_template(checkpoint_dir, tok_config, chat_template)
+        self.template_kwargs = dict(template_kwargs or {})
+        taken = set(self.template_kwargs) & {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        if taken:
+            raise EagletError(f"chat template variables {sorted(taken)} are set by eaglet itself, not by kwargs")
 
     def _eos_ids(self, checkpoint_dir: Path) -> set:
         ids = set()
@@ -91,8 +97,16 @@ class Tokenizer:
         """(template, where it came from)."""
         if choice in BUILTIN_TEMPLATES:
             return BUILTIN_TEMPLATES[choice], f"built-in {choice} (--chat_template {choice})"
+        if choice != "auto" and Path(choice).is_file():
+            try:
+                return Path(choice).read_text(encoding="utf-8"), f"{choice} (--chat_template)"
+            except (OSError, UnicodeDecodeError) as e:
+                raise EagletError(f"cannot read the chat template {choice}: {e}")
+        if choice != "auto" and (choice.endswith(".jinja") or "/" in choice):
+            raise EagletError(f"chat template file not found: {choice}")
         if choice != "auto":
-            raise EagletError(f"unknown chat template {choice!r} (auto, {', '.join(BUILTIN_TEMPLATES)})")
+            raise EagletError(f"unknown chat template {choice!r} (auto, {', '.join(BUILTIN_TEMPLATES)}, or a .jinja "
+                              "file)")
         jinja_file = checkpoint_dir / "chat_template.jinja"
         if jinja_file.is_file():
             return jinja_file.read_text(encoding="utf-8", errors="replace"), str(jinja_file)
@@ -139,8 +153,8 @@ class Tokenizer:
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
         try:
             text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "")
+                **self.template_kwargs, messages=messages, add_generation_prompt=True,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise EagletError(f"chat template: {e}")
         return self.encode_with_specials(text)

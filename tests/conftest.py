@@ -325,6 +325,13 @@ def check_compiled_cycle(model, draft, tree, n_tokens=30):
     return lengths
 
 
+def read_generation(path: Path) -> dict:
+    """generate.py's --json_out of a one-sample run: the prompt's tokens and that sample's fields."""
+    written = json.loads(Path(path).read_text())
+    assert len(written["samples"]) == 1
+    return {"prompt_tokens": written["prompt_tokens"], **written["samples"][0]}
+
+
 def scripted_input(lines):
     """A stand-in for input(): returns the lines in turn, then raises EOFError like a closed terminal."""
     turns = iter(lines)

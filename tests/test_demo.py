@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, read_generation
 from generate import SamplingConfig, generate, load_draft, load_target
 from tokenizer import Tokenizer
 
@@ -80,6 +80,6 @@ def test_generate_without_flags_uses_the_demo(tmp_path):
     import generate as generate_module
     out = tmp_path / "out.json"
     generate_module.main(["--json_out", str(out)])  # what a new user runs first, less nothing but the file
-    result = json.loads(out.read_text())
+    result = read_generation(out)
     assert result["cycles"] > 0 and len(result["tokens"]) == generate_module.DEMO_MAX_NEW_TOKENS
     assert result["text"].count("\n    ") >= 5 and "..." not in result["text"]  # indented code, not a run of dots

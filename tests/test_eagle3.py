@@ -1,6 +1,5 @@
 """EAGLE-3 heads in their published format: the forward against a reference written from the format's
 definition, lossless greedy decoding with random and agreeing heads, the draft vocabulary, and errors."""
-import json
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch.nn.functional as F
 
 import generate
 from conftest import (check_compiled_cycle, eagle3_config, eagle3_head_weights, expect_error, make_agreeing_eagle3_pair,
-                      write_eagle_head)
+                      read_generation, write_eagle_head)
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 from draft import Eagle3Draft
@@ -151,7 +150,7 @@ def test_cli_runs_eagle3_head_with_its_default_tree(agreeing, capsys, tmp_path):
     generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
     generate.main(base + ["--draft_checkpoint_path", str(head_dir / "draft.pth"),
                           "--json_out", str(tmp_path / "spec.json")])
-    plain, spec = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "spec"))
+    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
     assert spec["tokens"] == plain["tokens"]
     assert max(spec["accept_lengths"]) == 9  # depth 7 by default for EAGLE-3 heads: 7 + 1 drafts + bonus
     expect_error(base + ["--draft_checkpoint_path", str(head_dir / "draft.pth"), "--draft_vocab",

@@ -80,6 +80,10 @@ def w(checkpoints, tmp_path_factory):
     ns.bad_tok_model = broken("bad_tok_model", lambda p: ((p / "tokenizer.json").unlink(),
                                                           (p / "tokenizer.model").write_bytes(b"garbage" * 10)))
     ns.small_tok = broken("small_tok", lambda p: write_tokenizer(p, vocab_size=40))
+    ns.hf_file = good / "model.safetensors"
+    ns.hf_folder = broken("hf_folder", lambda p: (p / "model.pth").unlink()).parent
+    ns.hf_head = root / "hf_head"
+    write_eagle_head(ns.hf_head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
     ns.not_object = broken("not_object", lambda p: (p / "config.json").write_text("[1, 2]"))
     ns.not_dict = broken("not_dict", lambda p: torch.save([torch.zeros(2)], p / "model.pth"))
     ns.bad_record = broken("bad_record", damage_record)
@@ -150,6 +154,15 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "total_tokens too large": ("generate", lambda w: gen(w, "--total_tokens", "9999"), "total_tokens must be between"),
     "max_seq_length negative": ("generate", lambda w: gen(w, "--max_seq_length", "-1"), "--max_seq_length"),
     "num_samples zero": ("generate", lambda w: gen(w, "--num_samples", "0"), "--num_samples"),
+    "checkpoint a Hugging Face file": ("generate", lambda w: gen(w, ckpt="hf_file"), "convert it first"),
+    "checkpoint a Hugging Face folder": ("generate", lambda w: gen(w, ckpt="hf_folder"), "holds Hugging Face weights"),
+    "head a Hugging Face folder": ("generate", lambda w: gen(w, "--draft_checkpoint_path", str(w.hf_head)),
+                                   "holds Hugging Face weights, not a converted draft.pth"),
+    "stop empty": ("generate", lambda w: gen(w, "--stop", ""), "--stop needs a non-empty text"),
+    "chat_template_kwargs not JSON": ("generate", lambda w: gen(w, "--chat", "--chat_template_kwargs", "{x"),
+                                      "is not valid JSON"),
+    "chat_template file missing": ("generate", lambda w: gen(w, "--chat", "--chat_template", "no/such.jinja"),
+                                   "chat template file not found"),
     "prompt not UTF-8": ("generate", lambda w: gen(w, "--prompt", "w1 \udcff"), "not valid UTF-8"),
     "system without chat": ("generate", lambda w: gen(w, "--system", "be brief"), "--system needs --chat"),
     "demo with chat": ("generate", lambda w: ["--chat"], "no chat template"),

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import generate
-from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, scripted_input, tiny_config, write_tokenizer
+from conftest import (ROOT, SHARED, expect_error, make_agreeing_pair, make_hf_checkpoint, read_generation,
+                      scripted_input, tiny_config, write_tokenizer)
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 
@@ -17,7 +18,7 @@ PROMPTS = ["w5 w17 w42", "w3", "w60 w61 w62 w63 w64 w65 w66"]
 def run_cli(tmp_path, argv):
     out = tmp_path / "out.json"
     generate.main(argv + ["--json_out", str(out)])
-    return json.loads(out.read_text())
+    return read_generation(out)
 
 
 @pytest.mark.parametrize("kind", ["llama2", "llama31", "qwen2", "llama_bias"])
@@ -96,7 +97,7 @@ def test_generate_errors(checkpoints, tmp_path):
     expect_error(ckpt + ["--precision", "int3"], "invalid choice")
     expect_error(ckpt + ["--chat", "--chat_template", "nope"], "unknown chat template")
     expect_error(ckpt + ["--max_new_tokens", "600"], "max_position_embeddings")  # the model has 512
-    expect_error(ckpt + ["--max_new_tokens", "50", "--max_seq_length", "20"], "exceeds the cache")
+    expect_error(ckpt + ["--max_new_tokens", "50", "--max_seq_length", "20"], "exceeds --max_seq_length (20)")
 
 
 def test_mistral_cache_longer_than_sliding_window_is_refused(checkpoints):
@@ -195,3 +196,147 @@ def test_streamer_waits_for_whole_multibyte_characters(tmp_path, capsys):
     streamer.flush()
     printed += capsys.readouterr().out
     assert "C" + printed == text
+
+
+@pytest.fixture(scope="module")
+def spec_pair(tmp_path_factory):
+    target, head, _ = make_agreeing_pair(tmp_path_factory.mktemp("first_hour"), wrong_fraction=0.3, layer_scale=0.3)
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
+    return target, head
+
+
+def test_checkpoint_folders_are_accepted_and_hugging_face_files_refused(spec_pair, tmp_path):
+    target, head = spec_pair
+    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu"]
+    by_file = run_cli(tmp_path, ["--checkpoint_path", str(target / "model.pth"),
+                                 "--draft_checkpoint_path", str(head / "draft.pth")] + base)
+    by_folder = run_cli(tmp_path, ["--checkpoint_path", str(target), "--draft_checkpoint_path", str(head)] + base)
+    assert by_folder["tokens"] == by_file["tokens"] and by_folder["cycles"] == by_file["cycles"] > 0
+    expect_error(["--checkpoint_path", str(target / "model.safetensors")] + base,
+                 f"is a Hugging Face weights file, not a converted model.pth: convert it first: python "
+                 f"convert_hf_checkpoint.py --checkpoint_dir {target}")
+    hf_only = tmp_path / "hf_only"
+    hf_only.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (hf_only / f).write_bytes((target / f).read_bytes())
+    expect_error(["--checkpoint_path", str(hf_only)] + base, f"{hf_only} holds Hugging Face weights")
+    (hf_only / "model_int8.pth").write_bytes(b"")
+    expect_error(["--checkpoint_path", str(hf_only)] + base, "no model.pth in")
+    expect_error(["--checkpoint_path", str(hf_only)] + base, "it holds model_int8.pth: give the file itself")
+
+
+def test_json_out_holds_every_sample_and_their_summary(spec_pair, tmp_path, capsys):
+    target, head = spec_pair
+    argv = ["--checkpoint_path", str(target), "--draft_checkpoint_path", str(head), "--prompt", "w5 w6",
+            "--max_new_tokens", "16", "--device", "cpu", "--temperature", "8", "--seed", "4"]
+    out = tmp_path / "three.json"
+    generate.main(argv + ["--num_samples", "3", "--json_out", str(out)])
+    written = json.loads(out.read_text())
+    assert [s["seed"] for s in written["samples"]] == [4, 5, 6]
+    for sample in written["samples"]:  # sample i is the run with seed + i
+        alone = run_cli(tmp_path, argv[:-1] + [str(sample["seed"])])
+        assert sample["tokens"] == alone["tokens"] and sample["accept_lengths"] == alone["accept_lengths"]
+    assert len({tuple(s["tokens"]) for s in written["samples"]}) > 1  # the seeds differ, so do the samples
+    speeds = [s["tokens_per_s"] for s in written["samples"]]
+    lengths = [n for s in written["samples"] for n in s["accept_lengths"]]
+    assert written["tokens_per_s_mean"] == pytest.approx(sum(speeds) / 3)
+    assert written["tau"] == pytest.approx(sum(lengths) / len(lengths)) and written["cycles"] == len(lengths)
+    assert f"3 samples: {written['tokens_per_s_mean']:.2f} tokens/s mean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_stop_strings_cut_the_text_at_their_first_appearance(spec_pair, tmp_path, capsys, head):
+    target, head_dir = spec_pair
+    argv = ["--checkpoint_path", str(target), "--prompt", "w5 w6", "--max_new_tokens", "20", "--device", "cpu"]
+    argv += ["--draft_checkpoint_path", str(head_dir)] if head else ["--no_draft"]
+    full = run_cli(tmp_path, argv)
+    tok = generate.Tokenizer(target)
+    prefix = lambda n: tok.decode(full["prompt_tokens"][-1:] + full["tokens"][:n])  # noqa: E731
+    for word in full["text"].split()[2:7]:  # words a few tokens in: with a head, some end inside a cycle
+        stop = " " + word
+        capsys.readouterr()
+        cut = run_cli(tmp_path, argv + ["--stop", stop, "--stop", "no such text"])
+        assert cut["text"] == full["text"][:full["text"].index(stop)]
+        assert cut["tokens"] == full["tokens"][:len(cut["tokens"])]  # the same decoding, ended early
+        assert stop in prefix(len(cut["tokens"])) and stop not in prefix(len(cut["tokens"]) - 1)  # the fewest
+        printed = capsys.readouterr().out.split("--- sample 1/1\n")[1]
+        assert printed.startswith("w5 w6" + cut["text"] + "\n") and stop not in printed.split("\n")[0]
+
+
+def test_interactive_help_reset_and_ctrl_c(checkpoints, monkeypatch, capsys):
+    path, _ = checkpoints("llama2")
+    calls, results = [], []
+    real_generate, real_call = generate.generate, generate.TextStreamer.__call__
+    interrupted = []
+
+    def ctrl_c_once(self, new_tokens):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_call(self, new_tokens)
+    monkeypatch.setattr(generate.TextStreamer, "__call__", ctrl_c_once)
+    monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7", "/help", "/reset", "w8", "/quit", "w9"]))
+    monkeypatch.setattr(generate, "generate",
+                        lambda *a, **k: calls.append((a, k)) or results.append(real_generate(*a, **k)) or results[-1])
+    generate.main(["--checkpoint_path", str(path), "--interactive", "--max_new_tokens", "5", "--device", "cpu",
+                   "--max_seq_length", "128"])
+    out = capsys.readouterr().out
+    assert len(calls) == 3 and len(results) == 2  # Ctrl-C stopped the first reply, not the session; /quit quit
+    assert "(stopped)" in out and "/reset starts a new conversation" in out and "(a new conversation)" in out
+    tok = generate.Tokenizer(path)
+    second = tok.encode_chat([{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": ""},
+                              {"role": "user", "content": "w7"}])
+    assert calls[1][0][1] == second and calls[1][1]["start_pos"] == 0  # the cut reply kept; the cache not trusted
+    assert calls[2][0][1] == tok.encode_chat([{"role": "user", "content": "w8"}])  # after /reset: w8 alone
+    model = calls[1][0][0]
+    for call, result in zip(calls[1:], results):  # each reply equals a fresh run on its prompt
+        assert real_generate(model, call[0][1], 5, generate.SamplingConfig()).tokens == result.tokens
+
+
+def test_chat_template_file_and_its_variables(checkpoints, tmp_path):
+    path, _ = checkpoints("llama2")
+    template = tmp_path / "mine.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                        "{% if enable_thinking %}w9 {% endif %}assistant:")
+    argv = ["--checkpoint_path", str(path), "--prompt", "w7", "--chat", "--chat_template", str(template),
+            "--max_new_tokens", "2", "--device", "cpu"]
+    tok = generate.Tokenizer(path)
+    assert run_cli(tmp_path, argv)["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 assistant:")
+    thinking = run_cli(tmp_path, argv + ["--chat_template_kwargs", '{"enable_thinking": true}'])
+    assert thinking["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 w9 assistant:")
+    expect_error(argv + ["--chat_template_kwargs", "[1]"], "must be a JSON object")
+    expect_error(argv + ["--chat_template_kwargs", '{"messages": []}'], "set by eaglet itself")
+    expect_error(argv[:6] + [str(tmp_path / "missing.jinja")], "chat template file not found")
+    expect_error(argv[:4] + ["--chat_template_kwargs", "{}"], "--chat_template_kwargs needs --chat")
+
+
+def test_generate_takes_one_prompt(checkpoints):
+    path, _ = checkpoints("llama2")
+    model = generate.load_target(path, "cpu", "fp32", 64)
+    sampling = generate.SamplingConfig()
+    as_list = generate.generate(model, [1, 5, 6], 4, sampling).tokens
+    assert generate.generate(model, torch.tensor([[1, 5, 6]]), 4, sampling).tokens == as_list
+    with pytest.raises(generate.EagletError, match="takes one prompt"):
+        generate.generate(model, [[1, 5, 6], [1, 7, 8]], 4, sampling)
+
+
+def test_a_too_small_cache_is_refused_before_the_prompt_is_echoed(checkpoints, capsys):
+    path, _ = checkpoints("llama2")
+    expect_error(["--checkpoint_path", str(path), "--prompt", "w5 w6", "--max_new_tokens", "50",
+                  "--max_seq_length", "20", "--device", "cpu"], "exceeds --max_seq_length (20)")
+    assert "w5 w6" not in capsys.readouterr().out
+
+
+def test_a_head_trained_on_shorter_contexts_is_named_at_start_up(spec_pair, tmp_path, capsys):
+    target, head = spec_pair
+    short = tmp_path / "short_head"
+    short.mkdir()
+    config = json.loads((head / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40}))
+    (short / "draft.pth").write_bytes((head / "draft.pth").read_bytes())
+    argv = ["--checkpoint_path", str(target), "--prompt", "w5", "--max_new_tokens", "30", "--device", "cpu"]
+    run_cli(tmp_path, argv + ["--draft_checkpoint_path", str(short)])
+    out = capsys.readouterr().out
+    assert "the head was trained on up to 40 positions" in out and out.count("trained on up to") == 1
+    run_cli(tmp_path, argv + ["--draft_checkpoint_path", str(head)])
+    assert "trained on up to" not in capsys.readouterr().out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import generate
-from conftest import ROOT
+from conftest import ROOT, read_generation
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
 from tokenizer import Tokenizer
 
@@ -90,7 +90,7 @@ def test_inflated_folder_runs_through_the_cli(tmp_path, capsys):
                    str(tmp_path / "big" / "head" / "draft.pth"), "--max_new_tokens", "24", "--json_out", str(out)])
     demo_out = tmp_path / "demo.json"
     generate.main(["--max_new_tokens", "24", "--json_out", str(demo_out)])
-    big, small = json.loads(out.read_text()), json.loads(demo_out.read_text())
+    big, small = read_generation(out), read_generation(demo_out)
     assert big["tokens"] == small["tokens"] and big["accept_lengths"] == small["accept_lengths"]
     with pytest.raises(SystemExit, match="exists"):  # never writes over a folder
         inflate_demo.main(["--shape", "llama2-7b", "--out_dir", str(tmp_path / "big")])

@@ -7,7 +7,7 @@ import torch
 import generate
 import model as model_module
 import quantize
-from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair
+from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
 from convert_hf_checkpoint import convert, export_layer
 from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
 from model import QUANT_KEY, Int4Linear, Int8Linear, ModelArgs, pack_quantized, read_config, use_quantized_linears
@@ -262,20 +262,18 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
 
 
 def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path, capsys):
-    import json
     target_path, head_path = quantized_pairs["int4", 32, "eagle"]
     argv = ["--checkpoint_path", str(target_path), "--device", "cpu", "--prompt", "w5 w9 w11", "--max_new_tokens", "24"]
     generate.main(argv + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
-    assert "target model_int4.g32.pth (int4 g32, lm_head int8); head draft_int8.pth (int8)" in capsys.readouterr().out
+    assert "target target/model_int4.g32.pth (int4 g32, lm_head int8); head head/draft_int8.pth (int8)" in capsys.readouterr().out
     generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
-    spec, plain = (json.loads((tmp_path / f).read_text()) for f in ("spec.json", "plain.json"))
+    spec, plain = (read_generation(tmp_path / f) for f in ("spec.json", "plain.json"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
 
 
 def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
     """train_draft.py reads an int4 target's features; an EAGLE-3 head starts from its int8 lm_head's rows
     (dequantized), trains, converts, and decodes losslessly on that target."""
-    import json
 
     import train_draft
     from convert_hf_checkpoint import main as convert_main
@@ -292,7 +290,7 @@ def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
     base = ["--checkpoint_path", str(int4), "--device", "cpu", "--prompt", "w3 w4 w5 w6", "--max_new_tokens", "30"]
     generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
     generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
-    plain, spec = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "spec"))
+    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
 
 

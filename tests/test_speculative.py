@@ -1,12 +1,11 @@
 """EAGLE-2 speculative decoding: greedy output equals plain greedy output, caches stay exact, the CLI works."""
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import generate
-from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, scripted_input, write_eagle_head
+from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, read_generation, scripted_input, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
 from model import causal_mask
@@ -117,9 +116,9 @@ def test_cli_end_to_end_with_published_head_format(checkpoints, tmp_path, fmt):
     out = tmp_path / "spec.json"
     generate.main(generate_args + ["--draft_checkpoint_path", str(head / "draft.pth"), "--depth", "4",
                                    "--tree_topk", "5", "--total_tokens", "20", "--json_out", str(out)])
-    spec = json.loads(out.read_text())
+    spec = read_generation(out)
     generate.main(generate_args + ["--json_out", str(tmp_path / "plain.json")])
-    plain = json.loads((tmp_path / "plain.json").read_text())
+    plain = read_generation(tmp_path / "plain.json")
     assert spec["tokens"] == plain["tokens"]
     assert spec["cycles"] > 0 and plain["cycles"] == 0  # the head ran, and only when asked
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import generate
 import train_draft
-from conftest import expect_error
+from conftest import expect_error, read_generation
 from convert_hf_checkpoint import convert
 from draft import Eagle3Draft, build_tree
 from generate import SamplingConfig, TreeConfig, catch_up, load_draft, load_target
@@ -168,7 +168,7 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
             "--max_new_tokens", "40"]
     generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
     generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
-    plain, spec = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "spec"))
+    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(out / "draft.pth", model)

@@ -14,7 +14,7 @@ import torch
 import generate
 import train_draft
 from conftest import (ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
-                      scripted_input, tiny_config, write_eagle_head)
+                      read_generation, scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
 from model import EagletError
@@ -90,7 +90,7 @@ def test_one_token_prompt_speculative(pair, tmp_path):
     generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
                    str(head_dir / "draft.pth"), "--prompt", "", "--max_new_tokens", "8", "--device", "cpu",
                    "--json_out", str(out)])
-    result = json.loads(out.read_text())
+    result = read_generation(out)
     assert result["prompt_tokens"] == [1] and len(result["tokens"]) == 8
 
 
@@ -104,7 +104,7 @@ def test_compile_with_few_new_tokens(pair, tmp_path, monkeypatch):
             out = tmp_path / "o.json"
             generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--prompt", "w1 w2", "--compile",
                            "--max_new_tokens", n, "--device", "cpu", "--json_out", str(out), *head])
-            assert len(json.loads(out.read_text())["tokens"]) == int(n)
+            assert len(read_generation(out)["tokens"]) == int(n)
     assert len(compiled) == 4
 
 
@@ -149,9 +149,9 @@ def test_no_draft_wins_over_a_draft_path(pair, tmp_path):
     argv = ["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path", str(head_dir / "draft.pth"),
             "--prompt", "w1", "--max_new_tokens", "12", "--device", "cpu", "--json_out", str(out)]
     generate.main(argv)
-    assert json.loads(out.read_text())["cycles"] > 0
+    assert read_generation(out)["cycles"] > 0
     generate.main(argv + ["--no_draft"])
-    assert json.loads(out.read_text())["cycles"] == 0
+    assert read_generation(out)["cycles"] == 0
 
 
 MULTI_TURN = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -177,7 +177,7 @@ def test_chat_template_jinja_is_read_and_named(checkpoints, tmp_path, capsys):
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--chat", "--system", "w1", "--prompt", "w2",
                    "--max_new_tokens", "2", "--device", "cpu", "--json_out", str(out)])
     assert f"chat template: {path / 'chat_template.jinja'}" in capsys.readouterr().out
-    assert json.loads(out.read_text())["prompt_tokens"] == tok.encode_with_specials("<|system|>w1<|user|>w2<|assistant|>")
+    assert read_generation(out)["prompt_tokens"] == tok.encode_with_specials("<|system|>w1<|user|>w2<|assistant|>")
 
 
 def test_tau_counts_emitted_tokens(pair):
@@ -222,7 +222,7 @@ def test_json_text_is_what_was_streamed_with_sentencepiece(tmp_path, capsys):
     out = tmp_path / "o.json"
     generate.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--prompt", "Hello", "--max_new_tokens", "12",
                    "--device", "cpu", "--json_out", str(out), "--temperature", "1"])
-    text = json.loads(out.read_text())["text"]
+    text = read_generation(out)["text"]
     printed = capsys.readouterr().out.split("--- sample 1/1\n")[1]
     assert printed.startswith("Hello" + text + "\n")
 
