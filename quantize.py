@@ -20,10 +20,9 @@ exactly the output of plain decoding of the same quantized model.
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from cli import cli_parser
+from cli import Progress, cli_parser
 
 GROUPSIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 
@@ -182,12 +181,10 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
     try:  # the temporary folder beside the output: a failed write leaves no partial file, and os.replace works
         with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".eaglet-quantize-") as tmp_dir:
             out = {QUANT_KEY: quantization_record(mode, groupsize, checkpoint_path.name)}
-            n_groups, t0 = len(layer_groups(state_dict)), time.perf_counter()
+            progress = Progress("quantizing", len(layer_groups(state_dict)), "layer groups", log=log)
             for i, (key, quantized) in enumerate(quantized_layers(state_dict, mode, groupsize)):
                 out.update(spill(quantized, Path(tmp_dir), f"part{i}"))  # on disk until the final write
-                elapsed = time.perf_counter() - t0
-                log(f"quantized {key} ({i + 1}/{n_groups}), {elapsed:.1f} s, "
-                    f"about {elapsed / (i + 1) * (n_groups - i - 1):.0f} s left")
+                progress.update(i + 1, f"quantized {key}")
             log(f"writing {out_path}")
             torch.save(out, Path(tmp_dir) / out_path.name)
             os.replace(Path(tmp_dir) / out_path.name, out_path)
