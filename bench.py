@@ -5,16 +5,23 @@ phase, an evaluation over FastChat question files, and transformers' own generat
     python bench.py --checkpoint_path .../model.pth --draft_checkpoint_path .../draft.pth --compile \\
         --eval ../shared/data/prompts --hf
 
-Writes a JSON file and a markdown table (--out, default bench_results); numbers are printed, never asserted.
+    python bench.py                                              # the demo in demo/, as generate.py runs it
+
+Writes OUT.json and OUT.md (--out; default bench_out/DATE-TIME, never over an existing file unless --overwrite);
+numbers are printed, never asserted. Every derived figure names the measured inputs it comes from.
 """
 import json
+import os
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from cli import PRECISION_NAMES, cli_parser, int_flag
 
+SIDE_PROMPT, SIDE_TOKENS = 64, 128  # the side-by-side run: random prompt tokens, tokens generated
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
@@ -29,12 +36,23 @@ SHAPES = {  # Hugging Face config fields of well-known models, for random-weight
 }
 
 
+DEMO_DIR = Path(__file__).resolve().parent / "demo"  # generate.py's (not imported here: it imports torch)
+
+
 def parse_args(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape (no checkpoint needed)")
-    p.add_argument("--checkpoint_path", type=Path, help="a converted target (model.pth)")
-    p.add_argument("--draft_checkpoint_path", type=Path, help="its draft.pth (else a random head of its shape)")
-    p.add_argument("--tokenizer", type=Path, help="for --eval with --model: a tokenizer file or folder")
+    p.add_argument("--model", choices=list(SHAPES),
+                   help="random weights of this shape, no checkpoint needed (default: none; --checkpoint_path or the demo)")
+    p.add_argument("--checkpoint_path", type=Path,
+                   help="a converted target (model.pth) (default: the demo in demo/ when --model is not given)")
+    p.add_argument("--draft_checkpoint_path", type=Path,
+                   help="its draft.pth, EAGLE-1/2 or EAGLE-3 (default: demo/head/draft.pth for the demo, "
+                        "else a random EAGLE-1/2 head of the target's shape)")
+    p.add_argument("--draft_vocab", default=None,
+                   help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
+                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
+    p.add_argument("--tokenizer", type=Path,
+                   help="for --eval: a tokenizer file or folder (default: the checkpoint's folder; --model has none)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
@@ -42,21 +60,34 @@ def parse_args(argv=None):
     p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
     p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
-    p.add_argument("--side_tokens", type=int_flag(1), default=128, help="tokens generated in the side-by-side run")
+    p.add_argument("--side_tokens", type=int_flag(1), default=None,
+                   help=f"tokens generated in the side-by-side run (default: {SIDE_TOKENS}; 60 for the demo, as "
+                        "generate.py)")
     p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
-    p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files")
+    p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files (default: no evaluation)")
     p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
     p.add_argument("--max_seq_length", type=int_flag(1), default=2048, help="size of the KV caches")
-    p.add_argument("--out", type=Path, default=Path("bench_results"), help="writes OUT.json and OUT.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="writes OUT.json and OUT.md (default: bench_out/DATE-TIME)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT.json and OUT.md if they exist")
     args = p.parse_args(argv)
-    if (args.model is None) == (args.checkpoint_path is None):
+    if args.model is not None and args.checkpoint_path is not None:
         p.error("give exactly one of --model and --checkpoint_path")
+    args.demo = args.model is None and args.checkpoint_path is None
+    if args.demo:  # as generate.py: the small code model and its head shipped in demo/
+        if not (DEMO_DIR / "target" / "model.pth").is_file():
+            p.error(f"no --model or --checkpoint_path given and no demo in {DEMO_DIR} "
+                    "(python scripts/make_demo.py builds it)")
+        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
+        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
+    if args.draft_vocab not in (None, "full") and not Path(args.draft_vocab).is_file():
+        p.error(f"--draft_vocab {args.draft_vocab}: no such file (full: the whole vocabulary)")
     if args.eval and not args.eval.is_dir():
         p.error(f"--eval {args.eval} is not a folder")
     if args.eval and args.model and not args.tokenizer:
         p.error("--eval with --model needs --tokenizer (random weights come with none)")
+    args.out = args.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
 
@@ -65,11 +96,11 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from draft import EagleDraft  # noqa: E402
-from generate import (PRECISIONS, SamplingConfig, TreeConfig, catch_up, check_writable, commit,  # noqa: E402
-                      compile_settings, compile_step, cycle_weight_bytes, decode_one_token, device_sync,
-                      generate, load_draft, load_target, pick_device, prefill, sample, speculative_cycle, verify,
-                      weight_bytes, weights_format)
+from draft import EagleDraft, read_draft_vocab  # noqa: E402
+from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConfig, TreeConfig,  # noqa: E402
+                      catch_up, check_writable, commit, compile_settings, compile_step, cycle_weight_bytes,
+                      decode_one_token, device_sync, generate, load_draft, load_target, pick_device, prefill,
+                      sample, speculative_cycle, verify, weight_bytes, weights_format, write_output)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -148,6 +179,26 @@ def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = START_PR
     return root, ctx_len, h_last
 
 
+@contextmanager
+def without_profiler_markers():
+    """kineto writes a 'USDT: ... profiler_start' and a '... profiler_stop' line to stderr for every profile,
+    below Python (file descriptor 2); KINETO_LOG_LEVEL cannot drop them without dropping its errors too.
+    What is written to stderr meanwhile is caught and passed on, all but those lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            os.write(2, b"".join(line for line in caught.read().splitlines(keepends=True)
+                                 if not line.startswith(b"USDT:")))
+
+
 def kernel_table(fn, device, calls: int = 10, top: int = 10) -> dict:
     """Where a call's time goes, by kernel (torch.profiler): on CUDA the kernels launched per call and their
     device time; on CPU the operators and their self time. Run after timed() (compiled, graphs captured)."""
@@ -155,8 +206,9 @@ def kernel_table(fn, device, calls: int = 10, top: int = 10) -> dict:
     from torch.profiler import ProfilerActivity, profile
     cuda = str(device).startswith("cuda")
     unit = "CUDA kernels" if cuda else "CPU operators (self time)"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     try:
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        with without_profiler_markers(), profile(activities=[activity]) as prof:
             for _ in range(calls):
                 fn()
             device_sync(device)
@@ -216,9 +268,9 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
                           "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}
     floor = cycle_bytes(target, draft, tree, int(ctx_len))
     whole = rows["whole cycle"]["ms"] / 1e3
-    return {"phases": rows, "floor_plain_steps": floor["cycle"] / floor["plain_step"],
+    return {"phases": rows, "context": int(ctx_len), "floor_plain_steps": floor["cycle"] / floor["plain_step"],
             "floor_ms": floor["cycle"] / copy_bw * 1e3, "measured_over_floor": whole / (floor["cycle"] / copy_bw),
-            "cycle_bytes_GB": floor["cycle"] / 1e9}
+            "cycle_bytes_GB": floor["cycle"] / 1e9, "plain_step_bytes_GB": floor["plain_step"] / 1e9}
 
 
 def load_questions(eval_dir: Path, per_task: int) -> dict:
@@ -313,10 +365,10 @@ def hf_step_ms(hf, ids, steps: int = 16) -> float:
 
 
 def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, prompt=None) -> dict:
-    """The same prompt (default: 64 random tokens) and weights: transformers' generate, our plain decoding,
-    our EAGLE-2 (tokens/s)."""
+    """The same prompt (default: SIDE_PROMPT random tokens) and weights: transformers' generate, our plain
+    decoding, our EAGLE-2 (tokens/s); speedups over the first of them."""
     device = target.output.weight.device
-    prompt = prompt or torch.randint(0, min(target.args.vocab_size, 32000), (64,)).tolist()
+    prompt = prompt or torch.randint(0, min(target.args.vocab_size, 32000), (SIDE_PROMPT,)).tolist()
     rows = {}
     if with_hf:
         hf, ids = hf_twin(target), torch.tensor([prompt], device=device)
@@ -338,7 +390,7 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
                       "tokens": result.tokens}
     if with_hf:  # same weights, same greedy tokens (bf16 may flip a rare near-tie)
         rows["transformers generate"]["tokens"] = hf_tokens
-    base = rows.get("transformers generate", rows["eaglet plain"])["tokens_per_s"]
+    base = rows[speedup_base(rows)]["tokens_per_s"]
     plain_tokens = rows["eaglet plain"]["tokens"]
     for row in rows.values():
         row["speedup"] = row["tokens_per_s"] / base
@@ -346,44 +398,69 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
     return rows
 
 
+def speedup_base(rows: dict) -> str:
+    """The side-by-side row the speedups divide by: transformers' generate if it ran, else our plain decoding."""
+    return "transformers generate" if "transformers generate" in rows else "eaglet plain"
+
+
 def kernels_cell(table: dict) -> str:
     return table["error"] if "error" in table else f"{table['per_call']:.0f} ({table['ms_per_call']:.3f} ms)"
 
 
+def pct(fraction: float) -> str:
+    return f"{100 * fraction:.3g}%"
+
+
 def markdown(results: dict) -> str:
-    setup, plain, cycle = results["setup"], results["plain"], results["cycle"]
+    setup, plain, cycle, side = results["setup"], results["plain"], results["cycle"], results["side_by_side"]
+    copy, ctx, step, tree = setup["copy_GB_per_s"], cycle["context"], plain["step_ms"], setup["tree"]
+    unit = plain["kernels"]["unit"]
     lines = [f"## {setup['model']} on {setup['device_name']} (weights {setup['weights']}, head "
              f"{setup['draft_weights']}, activations {setup['precision']}, compile={setup['compile']})", "",
              f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
-             f"Measured copy bandwidth: {setup['copy_GB_per_s']:.1f} GB/s", "",
-             "| plain decoding | value |", "| --- | --- |",
-             f"| step | {plain['step_ms']:.3f} ms |", f"| tokens/s | {plain['tokens_per_s']:.1f} |",
-             f"| weights | {plain['weights_GB']:.3g} GB |",
-             f"| GB/s | {plain['GB_per_s']:.3g} ({100 * plain['fraction_of_copy_bandwidth']:.0f}% of copy) |",
+             f"Head: {setup['head']}  ", f"Draft vocabulary: {setup['draft_vocab']['text']}  ",
+             f"Measured copy bandwidth: {copy:.4g} GB/s (bytes read and written per second by a large copy)", "",
+             f"| plain decoding at context {ctx} | value |", "| --- | --- |",
+             f"| step | {step:.3f} ms |", f"| tokens/s = 1 / step | {plain['tokens_per_s']:.1f} |",
+             f"| weights read per step | {plain['weights_GB']:.4g} GB |",
+             f"| GB/s = weights / step | {plain['GB_per_s']:.4g}, {pct(plain['fraction_of_copy_bandwidth'])} of the "
+             f"copy bandwidth |",
              f"| recompiles after warm-up | {plain['recompiles_after_warmup']} |",
-             f"| {plain['kernels']['unit']} per step | {kernels_cell(plain['kernels'])} |", "",
-             "| EAGLE-2 cycle ({total_tokens}/{depth}/{topk}) | ms | plain steps | recompiles | {unit} |".format(
-                 **setup["tree"], unit=plain["kernels"]["unit"]),
-             "| --- | --- | --- | --- | --- |"]
+             f"| {unit} per step | {kernels_cell(plain['kernels'])} |", "",
+             f"| EAGLE-2 cycle ({tree['total_tokens']}/{tree['depth']}/{tree['topk']}) at context {ctx} | ms | "
+             f"plain steps = ms / {step:.3f} ms | recompiles | {unit} |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} | "
-              f"{kernels_cell(r['kernels'])} |"
-              for name, r in cycle["phases"].items()]
-    lines += ["", f"Bytes floor of a cycle: {cycle['cycle_bytes_GB']:.3g} GB = {cycle['floor_plain_steps']:.2f} plain "
-              f"steps = {cycle['floor_ms']:.3f} ms; measured cycle / floor = {cycle['measured_over_floor']:.2f}", "",
-              "| side by side, same weights | tokens/s | tau | speedup | same tokens as plain |",
-              "| --- | --- | --- | --- | --- |"]
-    for name, r in results["side_by_side"].items():
+              f"{kernels_cell(r['kernels'])} |" for name, r in cycle["phases"].items()]
+    lines += ["", f"Bytes floor of a cycle at context {ctx}: {cycle['cycle_bytes_GB']:.4g} GB (the target's weights "
+              f"once; the head and the lm_head it scores with, {setup['draft_vocab']['tokens']} rows, depth + 1 = "
+              f"{tree['depth'] + 1} times; the KV) = {cycle['floor_plain_steps']:.2f} x a plain step's "
+              f"{cycle['plain_step_bytes_GB']:.4g} GB (weights + KV). Read at the copy bandwidth it takes "
+              f"{cycle['floor_ms']:.3f} ms; the measured whole cycle, {cycle['phases']['whole cycle']['ms']:.3f} ms, "
+              f"is {cycle['measured_over_floor']:.2f} x that.", "",
+              f"| side by side on the same weights: {setup['side_by_side_prompt']}, {setup['side_tokens']} tokens, "
+              f"greedy | tokens/s, end to end | tau | speedup = tokens/s / {speedup_base(side)}'s | "
+              "same tokens as plain |", "| --- | --- | --- | --- | --- |"]
+    for name, r in side.items():
         tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {tau} | {r['speedup']:.2f}x | {r['same_tokens_as_plain']} |")
-    limit = results["limit"]
-    lines += ["", f"Physical limit at tau {limit['tau']:.2f}: {limit['tokens_per_s']:.1f} tokens/s; measured "
-              f"EAGLE-2 reaches {100 * limit['fraction']:.0f}% of it."]
+    if "side_by_side" in results["limit"]:
+        limit = results["limit"]["side_by_side"]
+        lines += ["", f"Physical limit of this EAGLE-2 run: its tau {limit['tau']:.2f} x the copy bandwidth "
+                  f"{limit['copy_GB_per_s']:.4g} GB/s / the bytes floor {limit['cycle_bytes_GB']:.4g} GB per cycle "
+                  f"(at context {limit['context']}) = {limit['tokens_per_s']:.1f} tokens/s; it measured "
+                  f"{limit['measured_tokens_per_s']:.1f} tokens/s, {pct(limit['fraction'])} of that."]
     if "eval" in results:
-        lines += ["", "| task | turns (skipped: too long) | tau | plain tok/s | EAGLE-2 tok/s | speedup | "
-                  "greedy mismatches |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {task} | {r['turns']} ({r['skipped']}) | {r['tau']:.2f} | {r['plain_tokens_per_s']:.1f} | "
-                  f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {len(r['mismatches'])} |"
-                  for task, r in results["eval"].items()]
+        limits = results["limit"].get("eval", {})
+        lines += ["", "| task | turns (skipped: too long) | tau | plain tok/s | EAGLE-2 tok/s | speedup = EAGLE-2 / "
+                  "plain | greedy mismatches | physical limit at its tau, tok/s | EAGLE-2 / limit |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for task, r in results["eval"].items():
+            limit = limits.get(task)
+            lines.append(f"| {task} | {r['turns']} ({r['skipped']}) | {r['tau']:.2f} | {r['plain_tokens_per_s']:.1f} | "
+                         f"{r['spec_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {len(r['mismatches'])} | "
+                         + (f"{limit['tokens_per_s']:.1f} | {pct(limit['fraction'])} |" if limit else "- | - |"))
+        lines += ["", f"Physical limit of a task: its tau x the copy bandwidth {copy:.4g} GB/s / the bytes floor "
+                  f"{cycle['cycle_bytes_GB']:.4g} GB per cycle (at context {ctx}; the turns' own contexts differ)."]
     return "\n".join(lines) + "\n"
 
 
@@ -398,57 +475,131 @@ def git_commit() -> str:
 
 def check_lengths(args, tree: TreeConfig):
     """The longest run, and the tree's scratch, within --max_seq_length."""
-    prompt, scratch = max(64 + args.side_tokens, START_PROMPT), tree.scratch
+    prompt, scratch = max(SIDE_PROMPT + args.side_tokens, START_PROMPT), tree.scratch
     if args.max_seq_length < prompt + scratch:
         raise EagletError(f"--max_seq_length {args.max_seq_length} is below the longest run ({prompt} tokens: "
-                          f"{START_PROMPT} for the timings, 64 + --side_tokens for the side by side) + tree scratch "
-                          f"({scratch}) = {prompt + scratch}")
+                          f"{START_PROMPT} for the timings, {SIDE_PROMPT} + --side_tokens for the side by side) + "
+                          f"tree scratch ({scratch}) = {prompt + scratch}")
     if args.eval and args.max_new_tokens + scratch >= args.max_seq_length:
         raise EagletError(f"--eval: max_new_tokens ({args.max_new_tokens}) + tree scratch ({scratch}) leaves no room "
                           f"for a prompt in --max_seq_length {args.max_seq_length}")
 
 
+def out_files(out: Path) -> tuple:
+    """OUT.json and OUT.md (a --out ending in .json or .md names the pair; other dots stay: run.v2.json)."""
+    base = out.with_suffix("") if out.suffix in (".json", ".md") else out
+    return Path(f"{base}.json"), Path(f"{base}.md")
+
+
+def check_out(paths: tuple, overwrite: bool):
+    """Before the long work: the folder made, the files writable, and none replaced without --overwrite."""
+    folder = paths[0].parent
+    if not folder.is_dir():
+        try:
+            folder.mkdir(parents=True)
+        except OSError as e:
+            raise EagletError(f"--out {folder}: cannot make the folder: {e.strerror}")
+        print(f"made the folder {folder} for --out")
+    for path in paths:
+        if path.exists() and not overwrite:
+            raise EagletError(f"--out: {path} exists; give another --out, or --overwrite")
+        check_writable(path, "--out")
+
+
 def load_models(args, device: str):
+    """The target and a head, with the draft vocabulary --draft_vocab asks for (as generate.py applies it)."""
     dtype = PRECISIONS[args.precision]
     if args.model:
-        return random_models(args.model, device, dtype, args.max_seq_length)
-    target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length)
-    if args.draft_checkpoint_path:
-        return target, load_draft(args.draft_checkpoint_path, target)
-    draft = random_module(EagleDraft, target.args, device, dtype)
-    draft.setup_caches(args.max_seq_length)
+        target, draft = random_models(args.model, device, dtype, args.max_seq_length)
+    else:
+        target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length)
+        if args.draft_checkpoint_path:
+            return target, load_draft(args.draft_checkpoint_path, target, args.draft_vocab)
+        draft = random_module(EagleDraft, target.args, device, dtype)
+        draft.setup_caches(args.max_seq_length)
+    if args.draft_vocab not in (None, "full"):  # a random head: only a file named by the flag
+        draft.restrict_vocab(target, read_draft_vocab(args.draft_vocab, target.args.vocab_size))
     return target, draft
+
+
+def head_name(args, draft) -> str:
+    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else "EAGLE-3"
+    return f"{args.draft_checkpoint_path} ({kind})" if args.draft_checkpoint_path else \
+        f"random weights of the target's shape ({kind}, tau means nothing)"
+
+
+def draft_vocab_used(args, target, draft) -> dict:
+    """The target tokens the head may propose (tau and the bytes floor follow them), and where they come from."""
+    n = target.args.vocab_size
+    if not isinstance(draft, EagleDraft):
+        return {"tokens": draft.vocab_size, "of": n, "source": "d2t",
+                "text": f"the EAGLE-3 head's own d2t of {draft.vocab_size} (of the target's {n} tokens)"}
+    if draft.draft_to_target is None:
+        return {"tokens": n, "of": n, "source": "full", "text": f"full vocabulary ({n})"}
+    source = args.draft_vocab or args.draft_checkpoint_path.parent / "draft_vocab.json"  # load_draft's default
+    return {"tokens": draft.vocab_size, "of": n, "source": str(source),
+            "text": f"{draft.vocab_size} of {n} tokens from {source}"}
+
+
+def side_prompt(args) -> tuple:
+    """The side-by-side run's prompt (None: random tokens) and its description: the demo's is generate.py's."""
+    if args.demo:
+        tokens = Tokenizer(args.checkpoint_path.parent).encode(DEMO_PROMPT)
+        return tokens, f"generate.py's demo prompt {DEMO_PROMPT!r} ({len(tokens)} tokens)"
+    return None, f"{SIDE_PROMPT} random token ids"
+
+
+def physical_limit(tau: float, tokens_per_s: float, copy_bw: float, cycle: dict) -> dict:
+    """The fastest a run at this tau could go: each cycle reads at least the cycle's bytes floor (at the
+    context bench_cycle measured it) at the copy bandwidth and emits tau tokens; beside it, the tokens/s of the
+    run that tau is from."""
+    limit = tau * copy_bw / (cycle["cycle_bytes_GB"] * 1e9)
+    return {"tau": tau, "copy_GB_per_s": copy_bw / 1e9, "cycle_bytes_GB": cycle["cycle_bytes_GB"],
+            "context": cycle["context"], "tokens_per_s": limit, "measured_tokens_per_s": tokens_per_s,
+            "fraction": tokens_per_s / limit}
+
+
+def limits(results: dict, copy_bw: float) -> dict:
+    """The physical limit of each run at its own tau: the side by side, and each evaluated task."""
+    out, spec, cycle = {}, results["side_by_side"]["eaglet EAGLE-2"], results["cycle"]
+    if spec["tau"]:  # no tau: the run stopped at its first token
+        out["side_by_side"] = physical_limit(spec["tau"], spec["tokens_per_s"], copy_bw, cycle)
+    tasks = {task: r for task, r in results.get("eval", {}).items() if r["turns"]}
+    if tasks:
+        out["eval"] = {task: physical_limit(r["tau"], r["spec_tokens_per_s"], copy_bw, cycle)
+                       for task, r in tasks.items()}
+    return out
 
 
 def main(argv=None):
     args = parse_args(argv)
+    args.side_tokens = args.side_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else SIDE_TOKENS)
+    paths = out_files(args.out)
     try:
         tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
         check_lengths(args, tree)
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
-        if not args.out.parent.is_dir():
-            try:
-                args.out.parent.mkdir(parents=True)
-            except OSError as e:
-                raise EagletError(f"--out {args.out}: cannot make its folder: {e.strerror}")
-            print(f"made the folder {args.out.parent} for --out")
-        for suffix in (".json", ".md"):  # before the long work, not after it
-            if args.out.with_suffix(suffix).exists() and not args.overwrite:
-                raise EagletError(f"--out: {args.out.with_suffix(suffix)} exists; give another --out, or --overwrite")
-            check_writable(args.out.with_suffix(suffix), "--out")
+        check_out(paths, args.overwrite)
         torch.manual_seed(0)
         target, draft = load_models(args, device)
+        if tree.topk > draft.vocab_size:
+            raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+        vocab, head = draft_vocab_used(args, target, draft), head_name(args, draft)
+        print(f"head: {head}; draft vocabulary: {vocab['text']}", flush=True)
         quantization = getattr(target, "quantization", None)
         compile_settings(target, device)
         if args.hf and quantization:
             raise EagletError("--hf runs transformers on the same weights, which it cannot read quantized: "
                               "bench the bf16 model.pth for that row")
+        prompt, prompt_text = side_prompt(args)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
                              "precision": args.precision, "compile": args.compile, "tree": asdict(tree),
                              "weights": weights_format(target), "draft_weights": weights_format(draft),
+                             "head": head, "draft_vocab": vocab, "side_by_side_prompt": prompt_text,
+                             "side_tokens": args.side_tokens,
                              "command": "python " + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
                              "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                              "copy_GB_per_s": copy_bw / 1e9}}
@@ -459,8 +610,8 @@ def main(argv=None):
         results["cycle"] = bench_cycle(target, draft, tree, args.compile, args.repeats, step_s, copy_bw)
         step_fns = {"plain": compile_step(decode_one_token, device) if args.compile else decode_one_token,
                     "spec": compile_step(speculative_cycle, device) if args.compile else speculative_cycle}
-        print("side by side on the same weights", flush=True)
-        results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf)
+        print(f"side by side on the same weights: {prompt_text}", flush=True)
+        results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf, prompt)
         if args.eval:
             tokenizer = Tokenizer(args.tokenizer or args.checkpoint_path.parent)
             print(f"chat template: {tokenizer.chat_template_source}")
@@ -468,18 +619,13 @@ def main(argv=None):
             print(f"evaluating on {args.eval}", flush=True)
             results["eval"] = run_eval(target, draft, tree, tokenizer, load_questions(args.eval, args.questions),
                                        args.max_new_tokens, step_fns)
-        tau = results["side_by_side"]["eaglet EAGLE-2"]["tau"]
-        if "eval" in results:
-            taus = [r["tau"] for r in results["eval"].values() if r["turns"]]
-            tau = sum(taus) / len(taus) if taus else tau
-        limit = tau * copy_bw / (results["cycle"]["cycle_bytes_GB"] * 1e9)
-        results["limit"] = {"tau": tau, "tokens_per_s": limit,
-                            "fraction": results["side_by_side"]["eaglet EAGLE-2"]["tokens_per_s"] / limit}
+        results["limit"] = limits(results, copy_bw)
+        write_output(paths[0], json.dumps(results, indent=2))
+        write_output(paths[1], markdown(results))
     except EagletError as e:
         sys.exit(f"error: {e}")
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    args.out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
+    print(f"wrote {paths[0]} and {paths[1]}")
 
 
 if __name__ == "__main__":
