@@ -30,7 +30,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
-from draft import head_args, head_kind  # noqa: E402
+from draft import eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_eagle3_config  # noqa: E402
 from model import EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -190,16 +190,25 @@ def convert_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
 
 
 def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
-    """An EAGLE-3 head: fc, the midlayer, its norm, lm_head and d2t. Its embedding is kept only when the config
-    sets target_hidden_size (a head narrower or wider than its target); t2d is checked against d2t, then dropped."""
-    args = head_args(config)
+    """An EAGLE-3 head: fc, its layer (midlayer.* in EAGLE's and SpecForge's layout, layers.0.* in speculators'),
+    its norm, lm_head, d2t, and the norms its flags add (fc_norm.i, input_norm). config: flat (head_config).
+    Its embedding is kept only when the config sets target_hidden_size (a head narrower or wider than its
+    target) or embed_requires_grad (a trained one); t2d is checked against d2t, then dropped."""
+    args, flags = head_args(config), eagle3_flags(config, str(checkpoint_dir))
+    feature_layer_ids(config, str(checkpoint_dir))  # checked here too: the target is not known yet
+    if not any(k.startswith("midlayer.") for k in weights):  # speculators' name for the one layer
+        for k in [k for k in weights if k.startswith("layers.0.")]:
+            weights["midlayer." + k[len("layers.0."):]] = dict.pop(weights, k)  # moved, not read
     embed, t2d, d2t = weights.pop("embed_tokens.weight", None), weights.pop("t2d", None), weights.pop("d2t", None)
+    norms = [f"fc_norm.{i}.weight" for i in range(3)] if flags.fc_norm else []
+    norms += ["input_norm.weight"] if flags.norm_before_fc else []
     try:
         out = {"fc.weight": weights.pop("fc.weight"), "norm.weight": weights.pop("norm.weight"),
                "lm_head.weight": weights.pop("lm_head.weight"),
                "layer.hidden_norm.weight": weights.pop("midlayer.hidden_norm.weight"),
                "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}
         out.update(convert_layer(weights, "midlayer.", "layer."))
+        out.update({k: weights.pop(k) for k in norms})
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
     draft_vocab = out["lm_head.weight"].shape[0]
@@ -219,7 +228,7 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
                                 and 0 <= target_ids.min() and target_ids.max() < args.vocab_size
                                 and t2d.bool()[target_ids].all()):
         raise EagletError(f"{checkpoint_dir}: t2d and d2t disagree about the draft vocabulary")
-    if embed is not None and config.get("target_hidden_size"):
+    if embed is not None and (config.get("target_hidden_size") or config.get("embed_requires_grad") is True):
         if tuple(embed.shape) != (args.vocab_size, args.dim):
             raise EagletError(f"{checkpoint_dir}: embed_tokens {tuple(embed.shape)} does not match config.json")
         out["embed.weight"] = embed
@@ -232,7 +241,7 @@ def convert(checkpoint_dir, log=print) -> Path:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
-    config = read_config(checkpoint_dir)
+    config = head_config(read_config(checkpoint_dir), str(checkpoint_dir / "config.json"))  # a head's, flat
     try:  # refuse what we cannot run before reading weights
         ModelArgs.from_hf_config({"model_type": "llama", **config})
     except EagletError as e:
@@ -240,7 +249,7 @@ def convert(checkpoint_dir, log=print) -> Path:
     weights = load_hf_weights(checkpoint_dir, log)
     try:
         with tempfile.TemporaryDirectory(dir=checkpoint_dir, prefix=".eaglet-convert-") as tmp_dir:
-            if any(k.startswith("model.") for k in weights):
+            if any(k.startswith("model.") for k in weights) and not is_eagle3_config(config):
                 out_path = checkpoint_dir / "model.pth"
                 state_dict = convert_target(checkpoint_dir, config, weights, Path(tmp_dir), log)
             else:  # a draft head: its keys have no "model." prefix

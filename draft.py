@@ -7,6 +7,8 @@ doubles as the estimate of f_{t+1}. It shares the target's embedding and lm_head
 EAGLE-3: the target's hidden states entering three of its layers, fused by fc (3 x dim -> dim); one layer
 whose attention reads cat(norm(embed(x_{t+1})), norm(x)); its own norm and lm_head over a smaller draft
 vocabulary, mapped to target ids by d2t. During tree expansion a node's input x is its parent's output.
+Published EAGLE-3 heads come in EAGLE's and SpecForge's flat layout or in speculators' nested one (head_config),
+some with flags that change the math (Eagle3Flags).
 """
 import json
 from dataclasses import dataclass
@@ -88,11 +90,26 @@ class EagleDraft(DraftHead):
         self.vocab_lm_head = linear_rows(target.output, self.draft_to_target)
 
 
+@dataclass(frozen=True)
+class Eagle3Flags:
+    """What later EAGLE-3 heads change (all off: the first heads, EAGLE's own).
+    norm_before_residual: the residual around the attention is hidden_norm(x), not x (speculators, vLLM);
+    fc_norm: each of the three target features RMS-normed on its own before fc (EAGLE-3.1; fc_norm.i.weight);
+    norm_before_fc: the three features normed as one vector before fc (gpt-oss heads; input_norm.weight);
+    norm_output: the layer's output goes through the final norm before it is scored AND fed to the next
+    step (EAGLE-3.1); without it only the scores read the normed output."""
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+
+
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer: attention reads cat(embed_norm(embedding), hidden_norm(x)), 2 x dim wide."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_before_residual: bool = False):
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.embed_norm = RMSNorm(args.dim, args.norm_eps)
         self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, in_dim=2 * args.dim)
@@ -101,6 +118,8 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, x, cos, sin, cache_slots, mask):
         attn_in = torch.cat([self.embed_norm(embeds), self.hidden_norm(x)], dim=-1)
+        if self.norm_before_residual:
+            x = self.hidden_norm(x)
         h = x + self.attention(attn_in, cos, sin, cache_slots, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -108,10 +127,14 @@ class Eagle3Layer(nn.Module):
 class Eagle3Draft(DraftHead):
     default_depth = 7
 
-    def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool):
+    def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool,
+                 flags: Eagle3Flags = Eagle3Flags()):
         super().__init__(args)
+        self.flags = flags
         self.fc = nn.Linear(3 * target_dim, args.dim, bias=False)
-        self.layer = Eagle3Layer(args)
+        self.fc_norm = nn.ModuleList(RMSNorm(target_dim, args.norm_eps) for _ in range(3)) if flags.fc_norm else None
+        self.input_norm = RMSNorm(3 * target_dim, args.norm_eps) if flags.norm_before_fc else None
+        self.layer = Eagle3Layer(args, flags.norm_before_residual)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False)
         self.embed = nn.Embedding(args.vocab_size, args.dim) if own_embedding else None
@@ -119,12 +142,21 @@ class Eagle3Draft(DraftHead):
     def step(self, target: Transformer, tokens, inputs, input_pos, slots, mask) -> Tensor:
         """inputs: target features (3 x target dim, fused by fc) or the head's own earlier outputs (used as is)."""
         embeds = (self.embed or target.tok_embeddings)(tokens)
-        x = inputs if inputs.shape[-1] == self.args.dim else self.fc(inputs)
+        x = inputs if inputs.shape[-1] == self.args.dim else self.fuse(inputs)
         cos, sin = self.rope(input_pos, x.dtype)
-        return self.layer(embeds[None], x[None], cos, sin, slots, mask)[0]
+        h = self.layer(embeds[None], x[None], cos, sin, slots, mask)[0]
+        return self.norm(h) if self.flags.norm_output else h
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """fc over the target's features [..., 3 x target dim], after the norms the head's flags ask for."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            features = torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        return self.fc(features)
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return self.lm_head(self.norm(h))
+        return self.lm_head(h if self.flags.norm_output else self.norm(h))  # norm_output: step() normed it
 
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return self.lm_head
@@ -147,7 +179,7 @@ def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.floa
     if not checkpoint_path.is_file():
         raise EagletError(f"draft checkpoint not found: {checkpoint_path} "
                           "(run convert_hf_checkpoint.py --checkpoint_dir on the head's folder first)")
-    config = read_config(checkpoint_path.parent)  # the head's shape is in it
+    config = head_config(read_config(checkpoint_path.parent), str(checkpoint_path.parent / "config.json"))
     state_dict = load_state_dict(checkpoint_path)
     pop_quantization(state_dict, checkpoint_path)  # its Linears are told by their keys (assign_weights)
     args = head_args(config)
@@ -155,8 +187,11 @@ def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.floa
         model = eagle3_from_state_dict(config, args, state_dict, target, str(checkpoint_path))
     else:
         if args.dim != target.dim or config.get("vocab_size", target.vocab_size) != target.vocab_size:
-            raise EagletError(f"draft head {checkpoint_path} does not match the target: hidden size {args.dim} "
-                              f"vs {target.dim}, vocabulary {config.get('vocab_size')} vs {target.vocab_size}")
+            differ = [f"{name} {mine} vs {theirs}" for name, mine, theirs in
+                      [("hidden size", args.dim, target.dim), ("vocabulary", args.vocab_size, target.vocab_size)]
+                      if mine != theirs]
+            raise EagletError(f"draft head {checkpoint_path} does not match the target (head vs target): "
+                              + ", ".join(differ))
         with torch.device("meta"):
             model = EagleDraft(args, fc_bias="fc.bias" in state_dict)
         assign_weights(model, state_dict, str(checkpoint_path))
@@ -194,7 +229,7 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
         raise EagletError(f"{where}: d2t maps the draft vocabulary outside the target's {target.vocab_size} "
                           "tokens, or maps two draft tokens to one")
     with torch.device("meta"):
-        model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding)
+        model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where))
     assign_weights(model, state_dict, where)
     model.draft_to_target = draft_to_target
     model.feature_layers = eagle3_feature_layers(config, target.n_layer, where)
@@ -202,14 +237,93 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
 
 
 def eagle3_feature_layers(config: dict, n_layer: int, where: str) -> tuple:
-    """The target layers whose input the head reads: 2, L//2, L-3, or the configured ones (an id k in
-    eagle_aux_hidden_state_layer_ids names the OUTPUT of layer k, the input of layer k + 1)."""
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    """The target layers whose input the head reads (L: the last layer's output, before the final norm):
+    the configured ones, or by default 2, L//2, L-3, as EAGLE, vLLM and SGLang read them. An id k in
+    eagle_config.eagle_aux_hidden_state_layer_ids names the OUTPUT of layer k, the input of layer k + 1
+    (SpecForge and SGLang: "+ 1"); head_config has put speculators' ids (layer inputs) in these terms."""
+    ids = feature_layer_ids(config, where)
     layers = tuple(k + 1 for k in ids) if ids else (2, n_layer // 2, n_layer - 3)
     if len(layers) != 3 or not all(0 <= i <= n_layer for i in layers):
         raise EagletError(f"{where} reads the target's layers {list(layers)}, which a {n_layer}-layer target "
                           "does not have three of")
+    if not ids and not layers[0] < layers[1] < layers[2]:  # a shallow target: the defaults repeat or go back
+        raise EagletError(f"{where}: on a {n_layer}-layer target the default EAGLE-3 feature layers 2, L//2, "
+                          f"L-3 are {list(layers)}, not three distinct layers in order; name the ones the head "
+                          "was trained on in its config.json (eagle_config.eagle_aux_hidden_state_layer_ids, "
+                          "id k = the output of layer k; train_draft.py: --feature_layers)")
     return layers
+
+
+def feature_layer_ids(config: dict, where: str):
+    """eagle_config.eagle_aux_hidden_state_layer_ids checked: None (not set) or a list of three ints."""
+    eagle_config = config.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise EagletError(f"{where}: eagle_config must be a JSON object, got {eagle_config!r}")
+    ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(type(k) is int for k in ids):
+        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer numbers, got {ids!r}")
+    if len(ids) != 3:
+        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids names {len(ids)} target layers {ids}; "
+                          "eaglet runs EAGLE-3 heads that read three")
+    return ids
+
+
+FLAGS = tuple(Eagle3Flags.__dataclass_fields__)
+
+
+def eagle3_flags(config: dict, where: str) -> Eagle3Flags:
+    """The head's Eagle3Flags from its (flat) config, or an error naming the setting eaglet cannot run."""
+    for name in FLAGS:
+        if type(config.get(name, False)) is not bool:
+            raise EagletError(f"{where}: {name} must be true or false, got {config[name]!r}")
+    if config.get("fc_norm") and config.get("norm_before_fc"):
+        raise EagletError(f"{where}: fc_norm and norm_before_fc are both set; a head normalises its features "
+                          "one way or the other (speculators refuses both too)")
+    if (config.get("eagle_config") or {}).get("use_aux_hidden_state", True) is not True:
+        raise EagletError(f"{where}: eagle_config.use_aux_hidden_state is not true: a head without fc over the "
+                          "target's features is not an EAGLE-3 head eaglet runs")
+    return Eagle3Flags(**{name: config.get(name, False) for name in FLAGS})
+
+
+def head_config(config: dict, where: str) -> dict:
+    """A head's config.json flat, in EAGLE's names, whichever layout published it. EAGLE's, SpecForge's and
+    train_draft.py's configs are flat already. speculators' (vLLM's library: speculators_model_type "eagle3")
+    nests the layer's shape in transformer_layer_config. Top-level eagle_aux_hidden_state_layer_ids
+    (speculators' place for them, where vLLM reads them) name layer INPUTS, as vLLM takes the hidden state
+    entering layer k: here they become eagle_config.eagle_aux_hidden_state_layer_ids k - 1 (layer outputs)."""
+    kind = config.get("speculators_model_type")
+    if kind is None and "eagle_aux_hidden_state_layer_ids" not in config:
+        return config
+    flat = dict(config)
+    if kind is not None:
+        if kind != "eagle3":
+            raise EagletError(f"{where}: speculators_model_type {kind!r} is not an EAGLE-3 head; eaglet reads "
+                              "speculators' eagle3 heads")
+        layer = config.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")
+        if layer.get("model_type", "llama") not in ("llama", "qwen3"):
+            raise EagletError(f"{where}: transformer_layer_config model_type {layer.get('model_type')!r}: "
+                              "eaglet runs speculators' EAGLE-3 layers of model_type llama and qwen3")
+        if "norm_before_residual" not in config:  # speculators reads false, vLLM true
+            raise EagletError(f"{where}: norm_before_residual is not set, and speculators (false) and vLLM "
+                              "(true) read it differently; set it to what the head was trained with")
+        del flat["transformer_layer_config"]
+        flat.update(layer)
+    ids = flat.pop("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(type(k) is int for k in ids):
+            raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer numbers, "
+                              f"got {ids!r}")
+        eagle_config = flat.get("eagle_config") or {}
+        nested = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+        if nested is not None and nested != [k - 1 for k in ids]:
+            raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} (layer inputs) and "
+                              f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (layer outputs) disagree")
+        flat["eagle_config"] = {**eagle_config, "eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids]}
+    return flat
 
 
 def head_args(config: dict) -> ModelArgs:
@@ -219,13 +333,26 @@ def head_args(config: dict) -> ModelArgs:
 
 
 def head_kind(config: dict, keys, where: str) -> str:
-    """'eagle' or 'eagle3', told apart by their keys (both configs look like a one-layer LLaMA); or an error."""
+    """'eagle' or 'eagle3', told apart by their keys (both configs look like a one-layer LLaMA); or an error.
+    config: flat (head_config)."""
+    nested = sorted(k for k in keys if k.startswith("model."))
+    if nested and is_eagle3_config(config):
+        raise EagletError(f"{where}: an EAGLE-3 head with its weights under model. ({nested[0]}, ...), a layout "
+                          "eaglet does not read (EAGLE's and SpecForge's heads have midlayer.*, speculators' layers.0.*)")
     if "fc.weight" not in keys or config.get("num_hidden_layers", 1) != 1:
-        raise EagletError(f"{where} is neither an EAGLE-1/2 nor an EAGLE-3 draft head "
-                          "(expected fc.weight and num_hidden_layers 1)")
-    if "d2t" in keys or any(k.startswith(("midlayer.", "layer.hidden_norm")) for k in keys):
+        why = "no fc.weight" if "fc.weight" not in keys else \
+            f"num_hidden_layers {config['num_hidden_layers']}; eaglet runs heads of one layer"
+        raise EagletError(f"{where} is neither an EAGLE-1/2 nor an EAGLE-3 draft head eaglet runs ({why})")
+    if "d2t" in keys or any(k.startswith(("midlayer.", "layer.hidden_norm", "layers.0.hidden_norm")) for k in keys):
         return "eagle3"
     return "eagle"
+
+
+def is_eagle3_config(config: dict) -> bool:
+    """Whether a (flat) config.json says it is an EAGLE-3 head's, whatever its weights."""
+    architectures = config.get("architectures") or []
+    return config.get("draft_vocab_size") is not None or "speculators_model_type" in config or \
+        any("Eagle3" in str(a) for a in architectures)
 
 
 def read_draft_vocab(path, vocab_size: int) -> Tensor:
