@@ -14,7 +14,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written, and every flag's default after its help line."""
 
     def _get_help_string(self, action):
-        if "default" in (action.help or "") or action.default in (None, False, argparse.SUPPRESS):
+        # `is`, not `in (None, False)`: a default of 0 or 0.0 equals False and must still be shown
+        if "default" in (action.help or "") or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
             return action.help
         return f"{action.help or ''} (default: {action.default})"
 
@@ -33,7 +34,9 @@ def int_flag(low: int = 0, high: int = 2 ** 63 - 1) -> Callable:
         if not re.fullmatch(r"[+-]?[0-9]{1,30}", text.strip()):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
         if not low <= int(text) <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {int(text)}")
+            bounds = f"between {low} and {high}" if high < 2 ** 63 - 1 else \
+                f"at least {low}" if int(text) < low else f"at most {high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {int(text)}")
         return int(text)
     return parse
 

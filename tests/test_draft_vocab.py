@@ -100,7 +100,7 @@ def test_script_writes_the_most_frequent_tokens(tmp_path, capsys):
     assert written["counted_tokens"] == 14 and "4 of 96 tokens" in capsys.readouterr().out
     expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(out)], "exists", main=script.main)
     expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(tmp_path / "v.json"), "--size", "0"],
-                 "--size: must be between 1 and", main=script.main)
+                 "--size: must be at least 1, got 0", main=script.main)
     expect_error(["--tokenizer", str(tmp_path), "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "v.json")],
                  "no such file or folder", main=script.main)
     expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(tmp_path / "no" / "v.json")],

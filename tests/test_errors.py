@@ -142,7 +142,7 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
                             "prompt (3 tokens) + max_new_tokens (100000) = 100003 exceeds the model's max_position"),
     "tree scratch named": ("generate", lambda w: gen(w, "--max_new_tokens", "500", "--draft_checkpoint_path", str(w.head)),
                            "+ tree scratch (60)"),
-    "seed overflow": ("generate", lambda w: gen(w, "--seed", str(2 ** 64)), "--seed: must be between"),
+    "seed overflow": ("generate", lambda w: gen(w, "--seed", str(2 ** 64)), "--seed: must be at most"),
     "seed non-ASCII digits": ("generate", lambda w: gen(w, "--seed", "\u0663"), "expected an integer"),
     "temperature nan": ("generate", lambda w: gen(w, "--temperature", "nan"), "finite"),
     "temperature inf": ("generate", lambda w: gen(w, "--temperature", "inf"), "finite"),
@@ -259,6 +259,16 @@ def test_help_and_usage_mistakes_answer_before_torch_is_imported(tool):
         assert proc.returncode == rc and "torch" not in imported and "cli" in imported, proc.stderr[-500:]
     assert "usage:" in subprocess.run([sys.executable, str(ROOT / tool), "--help"], capture_output=True,
                                       text=True, timeout=120).stdout
+
+
+def test_help_shows_defaults_of_zero(capsys):
+    """0 and 0.0 equal False: they must still be shown as defaults."""
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--help"])
+    flags = " ".join(capsys.readouterr().out.split()).split(" --")  # one entry per flag, line breaks undone
+    help_of = {f.split()[0]: f for f in flags if f and f[0].isalpha()}
+    for flag, default in (("temperature", "0.0"), ("top_k", "0"), ("seed", "0"), ("top_p", "1.0")):
+        assert f"(default: {default})" in help_of[flag], help_of[flag]
 
 
 BAD_VALUES = {  # id: (config.json changes, what the one line must say)

@@ -187,7 +187,7 @@ def test_errors(checkpoints, tmp_path):
         expect_error(base + ["--out_dir", str(tmp_path / out)] + extra, match, main=train_draft.main)
     fails(["--draft_vocab_size", "97"], "--draft_vocab_size 97 exceeds the target's vocabulary (96)")
     fails(["--feature_layers", "1", "4", "9"], "which a 8-layer target does not have three of")
-    fails(["--feature_layers", "0", "4", "5"], "--feature_layers: must be between 1")
+    fails(["--feature_layers", "0", "4", "5"], "--feature_layers: must be at least 1")
     fails(["--unroll_steps", "0"], "unroll_steps must be at least 1")
     fails(["--step_decay", "0"], "step_decay must be above 0")
     fails(["--data", str(tmp_path / "missing.txt")], "data file not found")
