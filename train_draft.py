@@ -15,15 +15,18 @@ learns only the target's next-token distributions over its draft vocabulary (the
 tokens most frequent in the data), unrolled --unroll_steps steps on its own outputs as the draft tree
 runs it (the "training-time test"), step j's loss weighted step_decay^j.
 """
+import hashlib
 import json
 import math
+import os
 import random
 import sys
-import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
-from cli import cli_parser, float_flag, int_flag
+from cli import Progress, cli_parser, float_flag, int_flag
 
 
 @dataclass
@@ -129,49 +132,251 @@ def read_questions(path: Path) -> list:
     return questions
 
 
-def load_examples(paths, tokenizer: Tokenizer, seq_len: int, reply_fn=None, log=print) -> list:
-    """(tokens, loss mask) pairs of at most seq_len tokens from text files and FastChat question files."""
-    examples = []
+@dataclass
+class DataItem:
+    """One training example to be: a FastChat question (its user turns, and the file's replies if any) or a
+    piece of a text file (its tokens)."""
+    source: Path
+    turns: Optional[list] = None
+    references: Optional[list] = None
+    question_id: object = None
+    tokens: Optional[list] = None
+
+
+def read_items(paths, tokenizer: Tokenizer, seq_len: int) -> list:
+    """The data's questions and its text cut into pieces of seq_len tokens, file by file, in order."""
+    items = []
     for path in map(Path, paths):
         if not path.is_file():
             raise EagletError(f"data file not found: {path}")
         if path.suffix == ".jsonl":
-            questions = read_questions(path)
-            for i, question in enumerate(questions):
-                if reply_fn is not None:
-                    log(f"{path.name}: the target answers question {i + 1}/{len(questions)}")
-                examples.append(question_example(tokenizer, question, seq_len, reply_fn, path))
+            items += [DataItem(path, turns=q["turns"], references=q.get("reference"), question_id=q.get("question_id"))
+                      for q in read_questions(path)]
         else:
             tokens = tokenizer.encode(path.read_text(errors="replace"), bos=False)
-            starts = range(0, max(len(tokens) - 1, 1), seq_len)
-            for i, start in enumerate(starts):
-                chunk = tokens[start:start + seq_len]
-                if reply_fn is not None:  # keep the first half, let the target write the rest
-                    log(f"{path.name}: the target continues piece {i + 1}/{len(starts)}")
-                    chunk = chunk[:len(chunk) // 2] + tokenizer.encode(reply_fn(chunk[:len(chunk) // 2]), bos=False)
-                    chunk = chunk[:seq_len]
-                if len(chunk) > 1:
-                    examples.append((chunk, [1] * len(chunk)))
+            items += [DataItem(path, tokens=tokens[start:start + seq_len])
+                      for start in range(0, max(len(tokens) - 1, 1), seq_len)]
+    return items
+
+
+def target_replies(item: DataItem, tokenizer: Tokenizer, reply_fn) -> list:
+    """What the target writes for an item: its reply to each turn of a question (having seen its own earlier
+    replies), or the continuation of a text piece's first half. reply_fn: prompt tokens -> text."""
+    if item.turns is None:
+        first_half = item.tokens[:len(item.tokens) // 2]
+        return [reply_fn(first_half) if first_half else ""]
+    replies, messages = [], []
+    for user in item.turns:
+        messages.append({"role": "user", "content": user})
+        replies.append(reply_fn(tokenizer.encode_chat(messages)))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def make_example(item: DataItem, tokenizer: Tokenizer, seq_len: int, replies=None):
+    """(tokens, loss mask) of at most seq_len tokens, with the file's replies or the target's (replies, from
+    target_replies); None for a text piece too short to learn from."""
+    if item.turns is None:
+        tokens = item.tokens
+        if replies is not None:  # the first half kept, the target's continuation after it
+            tokens = (tokens[:len(tokens) // 2] + tokenizer.encode(replies[0], bos=False))[:seq_len]
+        return (tokens, [1] * len(tokens)) if len(tokens) > 1 else None
+    replies = item.references if replies is None else replies
+    if not replies:
+        raise EagletError(f"{item.source}: question {item.question_id} has no replies; "
+                          "use --self_distill to let the target write them")
+    tokens, mask = chat_example(tokenizer, item.turns, replies)
+    return tokens[:seq_len], mask[:seq_len]
+
+
+def examples_of(items: list, tokenizer: Tokenizer, seq_len: int, replies=None) -> list:
+    """(tokens, loss mask) pairs of the items, with the files' replies or, if given, the target's (a list per item)."""
+    examples = [make_example(item, tokenizer, seq_len, None if replies is None else replies[i])
+                for i, item in enumerate(items)]
+    examples = [e for e in examples if e is not None]
     if not examples:
         raise EagletError("no training examples in the data")
     return examples
 
 
-def question_example(tokenizer: Tokenizer, question: dict, seq_len: int, reply_fn, path: Path) -> tuple:
-    """One conversation: the file's reference replies, or the target's own (reply_fn)."""
-    turns = question["turns"]
-    replies = question.get("reference") if reply_fn is None else None
-    if reply_fn is not None:
-        replies, messages = [], []
-        for user in turns:
-            messages.append({"role": "user", "content": user})
-            replies.append(reply_fn(tokenizer.encode_chat(messages)))
-            messages.append({"role": "assistant", "content": replies[-1]})
-    if not replies:
-        raise EagletError(f"{path}: question {question.get('question_id')} has no replies; "
-                          "use --self_distill to let the target write them")
-    tokens, mask = chat_example(tokenizer, turns, replies)
-    return tokens[:seq_len], mask[:seq_len]
+def load_examples(paths, tokenizer: Tokenizer, seq_len: int) -> list:
+    """(tokens, loss mask) pairs of at most seq_len tokens from text files and FastChat question files."""
+    return examples_of(read_items(paths, tokenizer, seq_len), tokenizer, seq_len)
+
+
+# Self-distillation's replies are kept beside the head: OUT_DIR/self_distill.jsonl, a header line (what wrote
+# the replies: SELF_DISTILL_FORMAT, the record of what decides them, where the files were) and then one line per
+# example, {"item": i, "replies": [...]} (i counts the data's questions and text pieces in order). It is written
+# as self_distill.partial.jsonl, a line per example as the target finishes it (an interrupted run resumes there),
+# and renamed once complete: a file under the final name is always whole.
+SELF_DISTILL_FILE, SELF_DISTILL_PARTIAL = "self_distill.jsonl", "self_distill.partial.jsonl"
+SELF_DISTILL_FORMAT = 1  # bump when the way the replies are written changes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
+                   "chat_template.json", "config.json", "generation_config.json")  # config files: the EOS ids
+
+
+def file_identity(path: Path) -> dict:
+    """A large file as a record names it: its name, size and modification time (a file moved elsewhere is
+    the same file; a rewritten one is not)."""
+    stat = path.stat()
+    return {"name": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def self_distill_record(checkpoint_path: Path, data_paths, tokenizer: Tokenizer, seq_len: int, max_new_tokens: int,
+                        sampling: SamplingConfig, precision: str, device: str) -> dict:
+    """Everything that decides the target's replies: the target, its tokenizer files and chat template, the data
+    files, and the settings the replies are written with (seq_len cuts prompts and text pieces)."""
+    folder = Path(checkpoint_path).parent
+    return {"target": file_identity(Path(checkpoint_path)),
+            "tokenizer_files": {n: sha256((folder / n).read_bytes()) for n in TOKENIZER_FILES
+                                if (folder / n).is_file()},
+            "chat_template_sha256": sha256(tokenizer.chat_template.encode("utf-8", "surrogatepass")),
+            "eos_ids": sorted(tokenizer.eos_ids), "data": [file_identity(Path(p)) for p in data_paths],
+            "seq_len": seq_len, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
+            "precision": precision, "device": device}
+
+
+def flatten(value, prefix: str = "") -> dict:
+    """{"a": {"b": [1]}} -> {"a.b.0": 1}: the record's leaves, for naming what differs."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: value}
+
+
+def record_differences(theirs: dict, ours: dict) -> list:
+    """What differs between two records, as 'key: theirs -> ours'."""
+    theirs, ours = flatten(theirs), flatten(ours)
+    return [f"{k}: {theirs.get(k, 'none')} -> {ours.get(k, 'none')}" for k in dict.fromkeys([*ours, *theirs])
+            if theirs.get(k) != ours.get(k)]
+
+
+def json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+@dataclass
+class DistilledFile:
+    header: dict
+    replies: dict  # item -> its replies, as far as the file's lines are whole
+
+
+def read_distilled(path: Path, header_only: bool = False) -> Optional[DistilledFile]:
+    """A self-distillation file (None if there is none). Anything else under its name is refused, never
+    replaced. Lines are read up to the first one that is not whole (an interrupted write)."""
+    if not path.exists():
+        return None
+    not_ours = EagletError(f"{path} is not a self-distillation file written by train_draft.py; it is left as it "
+                           "is: move it away, or give another --out_dir")
+    if not path.is_file():
+        raise not_ours
+    replies = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:  # ours are ASCII (json.dumps escapes the rest)
+            header = json_or_none(f.readline())
+            if not (isinstance(header, dict) and "eaglet_self_distill" in header):
+                raise not_ours
+            for line in [] if header_only else f:
+                entry = json_or_none(line) if line.endswith("\n") else None
+                if not (isinstance(entry, dict) and isinstance(entry.get("item"), int) and isinstance(
+                        entry.get("replies"), list) and all(isinstance(r, str) for r in entry["replies"])):
+                    break
+                replies[entry["item"]] = entry["replies"]
+    except OSError as e:
+        raise EagletError(f"cannot read {path}: {e.strerror or e}")
+    return DistilledFile(header, replies)
+
+
+def distilled_mismatch(found: DistilledFile, header: dict, complete: bool) -> str:
+    """Why a self-distillation file cannot serve this run ('' if it can): another format, another record
+    (naming what differs), or, if it must be complete, examples missing."""
+    if found.header.get("eaglet_self_distill") != header["eaglet_self_distill"]:
+        return f"it was written by another version of train_draft.py (format {found.header.get('eaglet_self_distill')})"
+    differ = record_differences(found.header.get("record"), header["record"])
+    if differ:
+        return f"it was written with other inputs or settings ({'; '.join(differ[:3])}" + \
+            (f"; {len(differ) - 3} more)" if len(differ) > 3 else ")")
+    n = header["examples"]
+    if any(not 0 <= i < n for i in found.replies) or (complete and len(found.replies) != n):
+        return f"it holds {len(found.replies)} of the {n} examples"
+    return ""
+
+
+def write_lines(path: Path, lines: list):
+    """Write a file whole or not at all: a temporary file beside it, renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in lines)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def self_distill_paths(checkpoint_path: Path, data_paths, tokenizer: Tokenizer) -> dict:
+    """Where the record's files were, for a reader of the header; not compared (moving a file changes nothing)."""
+    return {"target": str(Path(checkpoint_path).resolve()), "data": [str(Path(p).resolve()) for p in data_paths],
+            "chat_template": tokenizer.chat_template_source}
+
+
+def self_distilled_replies(items: list, out_dir: Path, record: dict, write_replies, log=print,
+                           paths: Optional[dict] = None) -> list:
+    """The target's replies for every item (write_replies: item -> replies): reused from out_dir/self_distill.jsonl
+    if it was written with this record, else written now, resuming self_distill.partial.jsonl if that was."""
+    final, partial = out_dir / SELF_DISTILL_FILE, out_dir / SELF_DISTILL_PARTIAL
+    header = {"eaglet_self_distill": SELF_DISTILL_FORMAT, "record": record, "paths": paths or {},
+              "examples": len(items)}
+    found = read_distilled(final)
+    if found is not None:
+        why = distilled_mismatch(found, header, complete=True)
+        if not why:
+            log(f"self-distillation: reusing the target's replies to all {len(items)} examples from {final}, written "
+                "with this target, tokenizer, data and settings (delete it to have the target write them again)")
+            return [found.replies[i] for i in range(len(items))]
+        log(f"self-distillation: not reusing {final}: {why}; the target writes the replies again")
+    found, done = read_distilled(partial), {}
+    if found is not None:
+        why = distilled_mismatch(found, header, complete=False)
+        if why:
+            log(f"self-distillation: starting over, not resuming {partial}: {why}")
+        else:
+            done = found.replies
+            log(f"self-distillation: resuming at {len(done)}/{len(items)} examples from {partial}")
+    progress = Progress("self-distilling", len(items), "examples", start=len(done), log=log)
+    try:
+        write_lines(partial, [json.dumps(header)] + [json.dumps({"item": i, "replies": done[i]}) for i in sorted(done)])
+        with open(partial, "a", encoding="utf-8") as f:
+            for i, item in enumerate(items):
+                if i not in done:
+                    done[i] = write_replies(item)
+                    f.write(json.dumps({"item": i, "replies": done[i]}) + "\n")
+                    f.flush()  # a line per example: an interruption loses at most the one being written
+                    progress.update(len(done), item.source.name)
+            os.fsync(f.fileno())
+        os.replace(partial, final)
+    except OSError as e:
+        raise EagletError(f"cannot write {partial}: {e.strerror or e}")
+    except KeyboardInterrupt:
+        log(f"self-distillation stopped at {len(done)}/{len(items)} examples, kept in {partial}: "
+            "the same command resumes there")
+        raise
+    log(f"self-distillation: wrote {final}; a run with the same target, tokenizer, data and settings reuses it")
+    return [done[i] for i in range(len(items))]
+
+
+def check_distill_files(out_dir: Path):
+    """Before any long work: refuse an out_dir holding, under the self-distillation files' names, files that
+    are not ours."""
+    for name in (SELF_DISTILL_FILE, SELF_DISTILL_PARTIAL):
+        read_distilled(out_dir / name, header_only=True)
 
 
 def batches(examples: list, batch_size: int, seq_len: int, pad_id: int, seed: int):
@@ -384,7 +589,8 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
     head.setup_rope(cfg.seq_len + cfg.unroll_steps)  # EAGLE-3's step j runs j positions ahead
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     data = batches(examples, cfg.batch_size, cfg.seq_len, pad_id=0, seed=cfg.seed + start)
-    t0 = time.perf_counter()
+    progress = Progress("training", cfg.steps, "steps", start=start, log=log)
+    recent = deque(maxlen=RECENT_STEPS)  # (loss, top-1) of the last steps, on the device: no sync until printed
     for step in range(start, cfg.steps):
         tokens, mask = (t.to(device) for t in next(data))
         for group in optimizer.param_groups:
@@ -398,17 +604,26 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         optimizer.step()
-        if step % 10 == 0 or step == cfg.steps - 1:
-            done = (step + 1) / cfg.steps
-            bar = "#" * int(30 * done) + "-" * (30 - int(30 * done))
-            agreement = " ".join(f"{a:.3f}" for a in top1.view(-1).tolist())  # EAGLE-3: one per unrolled step
-            log(f"[{bar}] step {step + 1}/{cfg.steps} loss {loss.item():.4f} top-1 {agreement} "
-                f"{time.perf_counter() - t0:.0f}s")
+        recent.append((loss.detach(), top1.detach()))
+        progress.update(step + 1, lambda: recent_means(recent))
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                         "config": asdict(cfg), "target": target_shape(target), "kind": head_settings(head)}, state_path)
     save_head(head, config, out_dir)
     return head
+
+
+RECENT_STEPS = 50  # the progress line's loss and top-1 agreement: means over this many steps, not one batch's
+
+
+def recent_means(recent) -> str:
+    """The loss and top-1 agreement (the share of positions where the head's most likely token is the
+    target's; EAGLE-3: one per unrolled step) of the last steps, averaged, and labelled with how many."""
+    loss = torch.stack([loss for loss, _ in recent]).float().mean().item()
+    top1 = torch.stack([top1.view(-1) for _, top1 in recent]).float().mean(0).tolist()
+    label = "top-1 agreement" if len(top1) == 1 else f"top-1 agreement at unrolled steps 1-{len(top1)}"
+    over = f"means of the last {len(recent)} steps" if len(recent) > 1 else "this step's batch"
+    return f"loss {loss:.4f}, {label} {' '.join(f'{a:.3f}' for a in top1)} ({over})"
 
 
 def target_shape(target: Transformer) -> dict:
@@ -514,6 +729,8 @@ def main(argv=None):
         if args.out_dir.resolve() == args.checkpoint_path.resolve().parent:
             raise EagletError(f"--out_dir {args.out_dir} is the target's own folder: the head would overwrite it")
         prepare_out_dir(args.out_dir)
+        if args.self_distill:
+            check_distill_files(args.out_dir)
         device = pick_device(args.device)
         precision = "bf16" if device == "cuda" else "fp32"  # weights for the target; training runs in autocast
         target = load_target(args.checkpoint_path, device, precision if args.self_distill else "fp32")
@@ -522,12 +739,18 @@ def main(argv=None):
         tokenizer = Tokenizer(args.checkpoint_path.parent)
         if any(str(path).endswith(".jsonl") for path in args.data):
             print(f"chat template: {tokenizer.chat_template_source}")
-        reply_fn = None
+        items, replies = read_items(args.data, tokenizer, cfg.seq_len), None
         if args.self_distill:
             target.setup_caches(1, cfg.seq_len + args.max_new_tokens + 8)
+            sampling = SamplingConfig()  # greedy: the target's most likely replies
             reply_fn = lambda prompt: tokenizer.decode(generate(  # noqa: E731
-                target, prompt[-cfg.seq_len:], args.max_new_tokens, SamplingConfig(), tokenizer.eos_ids).tokens)
-        examples = load_examples(args.data, tokenizer, cfg.seq_len, reply_fn)
+                target, prompt[-cfg.seq_len:], args.max_new_tokens, sampling, tokenizer.eos_ids).tokens)
+            record = self_distill_record(args.checkpoint_path, args.data, tokenizer, cfg.seq_len, args.max_new_tokens,
+                                         sampling, precision, device)
+            replies = self_distilled_replies(items, args.out_dir, record,
+                                             lambda item: target_replies(item, tokenizer, reply_fn),
+                                             paths=self_distill_paths(args.checkpoint_path, args.data, tokenizer))
+        examples = examples_of(items, tokenizer, cfg.seq_len, replies)
         for layer in target.layers:  # training runs whole sequences without a cache
             layer.attention.kv_cache = None
         print(f"{len(examples)} examples; training {cfg.steps} steps on {device}")
