@@ -41,8 +41,8 @@ DEMO_DIR = Path(__file__).resolve().parent / "demo"  # generate.py's (not import
 
 def parse_args(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--model", choices=list(SHAPES),
-                   help="random weights of this shape, no checkpoint needed (default: none; --checkpoint_path or the demo)")
+    p.add_argument("--model", choices=list(SHAPES), help="random weights of this shape, no checkpoint needed "
+                                                          "(default: none; --checkpoint_path or the demo)")
     p.add_argument("--checkpoint_path", type=Path,
                    help="a converted target (model.pth) (default: the demo in demo/ when --model is not given)")
     p.add_argument("--draft_checkpoint_path", type=Path,
@@ -435,7 +435,7 @@ def markdown(results: dict) -> str:
               f"once; the head and the lm_head it scores with, {setup['draft_vocab']['tokens']} rows, depth + 1 = "
               f"{tree['depth'] + 1} times; the KV) = {cycle['floor_plain_steps']:.2f} x a plain step's "
               f"{cycle['plain_step_bytes_GB']:.4g} GB (weights + KV). Read at the copy bandwidth it takes "
-              f"{cycle['floor_ms']:.3f} ms; the measured whole cycle, {cycle['phases']['whole cycle']['ms']:.3f} ms, "
+              f"{cycle['floor_ms']:.4g} ms; the measured whole cycle, {cycle['phases']['whole cycle']['ms']:.3f} ms, "
               f"is {cycle['measured_over_floor']:.2f} x that.", "",
               f"| side by side on the same weights: {setup['side_by_side_prompt']}, {setup['side_tokens']} tokens, "
               f"greedy | tokens/s, end to end | tau | speedup = tokens/s / {speedup_base(side)}'s | "

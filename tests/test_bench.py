@@ -1,13 +1,20 @@
 """bench.py end to end on tiny models (numbers printed, not asserted), and torch.compile on CPU without
 recompilation."""
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import bench
 import generate
-from conftest import ROOT, SHARED, head_config, random_head_weights, write_eagle_head
+from conftest import (ROOT, SHARED, expect_error, head_config, make_agreeing_eagle3_pair, make_agreeing_pair,
+                      random_head_weights, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
 from model import EagletError, causal_mask
@@ -86,6 +93,10 @@ def test_bench_eval_on_question_files(checkpoints, tmp_path, capsys):
     task = next(iter(results["eval"]))
     assert f"{task}: question 1/1" in capsys.readouterr().out and results["setup"]["chat_template"]  # progress
     assert sum(row["turns"] for row in rows) >= 2 and all(row["mismatches"] == [] for row in rows)
+    for task, limit in results["limit"]["eval"].items():  # each task against its own tau and tokens/s
+        row = results["eval"][task]
+        assert (limit["tau"], limit["measured_tokens_per_s"]) == (row["tau"], row["spec_tokens_per_s"])
+    assert set(results["limit"]["eval"]) == {task for task, row in results["eval"].items() if row["turns"]}
     print((tmp_path / "r.md").read_text())
 
 
@@ -231,3 +242,205 @@ def test_gpu_check_refuses_unknown_formats(tmp_path):
     with pytest.raises(SystemExit, match="^error: unknown --formats int3; known: bf16, int8, int4, int4.g32"):
         gpu_check.main(["--formats", "bf16,int3", "--out", str(tmp_path / "g")])
     assert not (tmp_path / "g").exists()
+
+
+# What bench reports, checked on a real process: an agreeing pair (tau above 1) whose head has a draft
+# vocabulary beside it, run once with that default and once with --draft_vocab full.
+VOCAB_KEPT = 48  # of the pair's 64 tokens
+
+
+def run_bench(argv, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_pair")
+    target, head, _ = make_agreeing_pair(root, vocab=64, hidden=64, wrong_fraction=0.3)
+    convert(target), convert(head)
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(VOCAB_KEPT))}))
+    out = {"head": head}
+    for name, extra in [("beside", []), ("full", ["--draft_vocab", "full"])]:
+        stem = root / f"{name}.v1"  # a dot in the name stays: beside.v1.json
+        proc = run_bench(["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path",
+                          str(head / "draft.pth"), "--max_seq_length", "256", "--out", str(stem), *extra] + SMALL)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[name] = SimpleNamespace(stdout=proc.stdout, stderr=proc.stderr,
+                                    results=json.loads(Path(f"{stem}.json").read_text()),
+                                    md=Path(f"{stem}.md").read_text())
+    return out
+
+
+def test_reports_name_the_draft_vocab_beside_the_head(runs):
+    run, text = runs["beside"], f"{VOCAB_KEPT} of 64 tokens from {runs['head'] / 'draft_vocab.json'}"
+    assert f"draft vocabulary: {text}" in run.stdout
+    assert f"Draft vocabulary: {text}" in run.md
+    vocab = run.results["setup"]["draft_vocab"]
+    assert (vocab["tokens"], vocab["of"], vocab["source"]) == (VOCAB_KEPT, 64, str(runs["head"] / "draft_vocab.json"))
+    assert f"Head: {runs['head'] / 'draft.pth'} (EAGLE-1/2)" in run.md
+
+
+def test_draft_vocab_full_is_named_and_its_lm_head_read(runs):
+    """--draft_vocab full reaches the head: the bytes floor reads all 64 lm_head rows per draft pass, not 48."""
+    run = runs["full"]
+    assert "draft vocabulary: full vocabulary (64)" in run.stdout and "Draft vocabulary: full vocabulary (64)" in run.md
+    assert run.results["setup"]["draft_vocab"]["tokens"] == 64
+    draft_passes, row_bytes = run.results["setup"]["tree"]["depth"] + 1, 64 * 4  # hidden 64, fp32
+    extra = run.results["cycle"]["cycle_bytes_GB"] - runs["beside"].results["cycle"]["cycle_bytes_GB"]
+    assert extra * 1e9 == pytest.approx(draft_passes * (64 - VOCAB_KEPT) * row_bytes)
+
+
+def numbers(pattern: str, text: str) -> list:
+    match = re.search(pattern, text)
+    assert match, pattern
+    return [float(x) for x in match.groups()]
+
+
+def test_derived_figures_follow_from_their_reported_inputs(runs):
+    r = runs["beside"].results
+    setup, plain, cycle, side = r["setup"], r["plain"], r["cycle"], r["side_by_side"]
+    limit = r["limit"]["side_by_side"]
+    copy, spec = setup["copy_GB_per_s"], side["eaglet EAGLE-2"]
+    assert plain["tokens_per_s"] == pytest.approx(1e3 / plain["step_ms"])
+    assert plain["GB_per_s"] == pytest.approx(plain["weights_GB"] / (plain["step_ms"] / 1e3))
+    assert plain["fraction_of_copy_bandwidth"] == pytest.approx(plain["GB_per_s"] / copy)
+    for phase in cycle["phases"].values():
+        assert phase["plain_steps"] == pytest.approx(phase["ms"] / plain["step_ms"])
+    assert cycle["floor_plain_steps"] == pytest.approx(cycle["cycle_bytes_GB"] / cycle["plain_step_bytes_GB"])
+    assert cycle["floor_ms"] == pytest.approx(cycle["cycle_bytes_GB"] / copy * 1e3)
+    assert cycle["measured_over_floor"] == pytest.approx(cycle["phases"]["whole cycle"]["ms"] / cycle["floor_ms"])
+    for row in side.values():
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / side["eaglet plain"]["tokens_per_s"])
+    # the limit: this run's own tau and tokens/s, the measured bandwidth and floor
+    assert spec["tau"] > 1.2 and (limit["tau"], limit["measured_tokens_per_s"]) == (spec["tau"], spec["tokens_per_s"])
+    assert (limit["copy_GB_per_s"], limit["cycle_bytes_GB"], limit["context"]) == (copy, cycle["cycle_bytes_GB"],
+                                                                                   cycle["context"])
+    assert limit["tokens_per_s"] == pytest.approx(spec["tau"] * copy / cycle["cycle_bytes_GB"])
+    assert limit["fraction"] == pytest.approx(spec["tokens_per_s"] / limit["tokens_per_s"])
+    # ... and the markdown says so: its figures follow from the inputs it prints, within their rounding
+    md = runs["beside"].md
+    tau, bw, gb, ctx, tokens_per_s, measured, percent = numbers(
+        r"its tau ([\d.]+) x the copy bandwidth ([\d.]+) GB/s / the bytes floor ([\d.]+) GB per cycle "
+        r"\(at context (\d+)\) = ([\d.]+) tokens/s; it measured ([\d.]+) tokens/s, ([\d.]+)% of that", md)
+    assert tokens_per_s == pytest.approx(tau * bw / gb, rel=0.01)
+    assert percent == pytest.approx(100 * measured / tokens_per_s, rel=0.01)
+    assert f"| eaglet EAGLE-2 | {measured:.1f} | {tau:.2f} |" in md and ctx == cycle["context"]
+    assert f"Measured copy bandwidth: {bw:.4g} GB/s" in md
+    gb_floor, floor_ms, whole_ms, ratio = numbers(r"Bytes floor of a cycle at context \d+: ([\d.]+) GB .* it "
+                                                  r"takes ([\d.]+) ms; the measured whole cycle, ([\d.]+) ms, is "
+                                                  r"([\d.]+) x", md)
+    assert gb_floor == gb and floor_ms == pytest.approx(gb / bw * 1e3, rel=0.01)
+    assert ratio == pytest.approx(whole_ms / floor_ms, rel=0.01) and f"| whole cycle | {whole_ms:.3f} |" in md
+
+
+def test_each_run_is_held_to_its_own_limit():
+    """The side by side and each evaluated task: their own tau against their own tokens/s, never another's."""
+    results = {"side_by_side": {"eaglet EAGLE-2": {"tau": 2.0, "tokens_per_s": 10.0}},
+               "cycle": {"cycle_bytes_GB": 0.5, "context": 128},
+               "eval": {"a": {"turns": 2, "tau": 3.0, "spec_tokens_per_s": 20.0},
+                        "b": {"turns": 1, "tau": 4.0, "spec_tokens_per_s": 30.0},
+                        "too long": {"turns": 0, "tau": 0.0, "spec_tokens_per_s": 0.0}}}
+    limits = bench.limits(results, copy_bw=100e9)  # 100 GB/s / 0.5 GB per cycle = 200 cycles/s
+    side = limits["side_by_side"]
+    assert side["tokens_per_s"] == pytest.approx(400) and side["fraction"] == pytest.approx(10 / 400)
+    assert {task: (x["tau"], x["tokens_per_s"], x["fraction"]) for task, x in limits["eval"].items()} == {
+        "a": (3.0, pytest.approx(600), pytest.approx(20 / 600)),
+        "b": (4.0, pytest.approx(800), pytest.approx(30 / 800))}
+
+
+def test_eagle3_head_reports_its_own_d2t(tmp_path):
+    target, head = make_agreeing_eagle3_pair(tmp_path, missing=8)
+    convert(target), convert(head)
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 1, 2]}))  # not for EAGLE-3 heads: unread
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    args = SimpleNamespace(draft_vocab=None, draft_checkpoint_path=head / "draft.pth")
+    vocab = bench.draft_vocab_used(args, model, load_draft(args.draft_checkpoint_path, model))
+    assert vocab["text"] == "the EAGLE-3 head's own d2t of 40 (of the target's 48 tokens)" and vocab["tokens"] == 40
+
+
+def test_random_head_takes_a_draft_vocab_file(tmp_path):
+    (tmp_path / "v.json").write_text(json.dumps({"token_ids": list(range(100))}))
+    args = SimpleNamespace(model="tiny", precision="fp32", max_seq_length=64, draft_vocab=str(tmp_path / "v.json"),
+                           draft_checkpoint_path=None)
+    target, draft = bench.load_models(args, "cpu")
+    assert draft.vocab_size == 100 and draft.lm_head_module(target).weight.shape[0] == 100
+    assert bench.draft_vocab_used(args, target, draft)["text"] == f"100 of 1024 tokens from {tmp_path / 'v.json'}"
+    args.draft_vocab = "full"
+    assert bench.draft_vocab_used(args, *bench.load_models(args, "cpu"))["text"] == "full vocabulary (1024)"
+
+
+def test_a_draft_vocab_that_is_not_there_is_refused(tmp_path):
+    expect_error(["--model", "tiny", "--draft_vocab", str(tmp_path / "nope.json")], "no such file", bench.main)
+
+
+def test_profiler_markers_leave_stderr_and_other_lines_stay(capfd):
+    a = torch.randn(64, 64)
+
+    def call():
+        torch.mm(a, a)
+        os.write(2, b"a real error\n")  # below Python, where kineto writes too
+
+    table = bench.kernel_table(call, "cpu", calls=2)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and err.count("a real error") == 2 and "error" not in table
+
+
+def test_no_arguments_means_the_demo():
+    if not (bench.DEMO_DIR / "target" / "model.pth").is_file():
+        pytest.skip("no demo/ (scripts/make_demo.py)")
+    args = bench.parse_args([])
+    assert args.demo and args.checkpoint_path == bench.DEMO_DIR / "target" / "model.pth"
+    assert args.draft_checkpoint_path == bench.DEMO_DIR / "head" / "draft.pth"
+    assert args.out.parent == Path("bench_out") and not bench.parse_args(["--model", "tiny"]).demo
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "demo" / "head" / "draft.pth").is_file(), reason="no demo/ (scripts/make_demo.py)")
+def test_bench_without_a_checkpoint_runs_the_demo_into_bench_out(tmp_path):
+    proc = run_bench(["--depth", "3", "--tree_topk", "4", "--total_tokens", "16", "--repeats", "1",
+                      "--max_seq_length", "256"], cwd=tmp_path)
+    assert proc.returncode == 0 and "USDT" not in proc.stderr, proc.stderr[-2000:]
+    (json_path,) = (tmp_path / "bench_out").glob("*.json")
+    setup = json.loads(json_path.read_text())["setup"]
+    assert setup["head"] == f"{ROOT / 'demo' / 'head' / 'draft.pth'} (EAGLE-1/2)"
+    assert setup["side_tokens"] == generate.DEMO_MAX_NEW_TOKENS
+    assert setup["side_by_side_prompt"].startswith(f"generate.py's demo prompt {generate.DEMO_PROMPT!r}")
+    assert f"wrote {json_path.relative_to(tmp_path)} and" in proc.stdout
+
+
+def test_help_shows_every_default():
+    """Every flag that takes a value says what it is when not given (switches are off when not given)."""
+    text = run_bench(["--help"]).stdout
+    options = re.split(r"\n  (?=-)", text.split("options:")[1])
+    with_values = [o for o in options if re.match(r"--\w+ [{A-Z]", o)]
+    assert len(with_values) >= 17 and not [o for o in with_values if "default" not in o], text
+
+
+def test_unwritable_out_is_refused_before_anything_is_measured(tmp_path):
+    (tmp_path / "r.json").mkdir()
+    proc = run_bench(["--model", "tiny", "--out", str(tmp_path / "r"), "--overwrite"])
+    assert proc.returncode == 1 and proc.stderr == f"error: --out {tmp_path / 'r.json'} is a directory\n"
+    assert "copy bandwidth" not in proc.stdout
+
+
+def test_existing_results_are_kept(tmp_path):
+    (tmp_path / "r.md").write_text("mine")
+    expect_error(["--model", "tiny", "--out", str(tmp_path / "r")], "r.md exists; give another --out, or --overwrite",
+                 bench.main)
+    assert (tmp_path / "r.md").read_text() == "mine" and not (tmp_path / "r.json").exists()
+
+
+def test_out_names_the_pair_of_files():
+    assert bench.out_files(Path("a/run.v2")) == (Path("a/run.v2.json"), Path("a/run.v2.md"))
+    assert bench.out_files(Path("a/run.json")) == bench.out_files(Path("a/run.md")) == (Path("a/run.json"),
+                                                                                       Path("a/run.md"))
+
+
+def test_default_out_folder_is_ignored_by_git():
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    assert subprocess.run(["git", "check-ignore", "-q", "bench_out/20260101-000000.json"], cwd=ROOT).returncode == 0
+    tracked_but_ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT,
+                                         capture_output=True, text=True).stdout
+    assert tracked_but_ignored == ""
