@@ -6,7 +6,11 @@
 
 Data: plain text files (every token counts), or FastChat question files (.jsonl with "turns"; only the
 assistant's tokens count). --self_distill lets the target write the assistant's replies (and continue
-plain text), so the head learns what the target itself says, which raises acceptance.
+plain text), so the head learns what the target itself says, which raises acceptance. The replies are kept in
+OUT_DIR/self_distill.jsonl with a record of what wrote them (the target, its tokenizer and chat template, the
+data files, --seq_len, --max_new_tokens, greedy decoding, the precision): a rerun with the same ones (a resumed
+run, or other training flags) reuses them instead of running the target again, and an interrupted
+self-distillation resumes where it stopped (self_distill.partial.jsonl).
 EAGLE-1/2 (--head eagle): the head learns the target's next feature (SmoothL1) and its next-token
 distribution (0.1 x cross-entropy against the target's soft predictions), from features with small
 uniform noise added.

@@ -149,7 +149,9 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
             "--batch_size", "4", "--seq_len", "32", "--unroll_steps", "3", "--save_every", "4", "--lr", "3e-3"]
     train_draft.main(argv + ["--steps", "4"])
     train_draft.main(argv + ["--steps", "30"])
-    assert "resuming at step 4" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming at step 4" in printed and "training 30/30 steps (100.0%)" in printed
+    assert "top-1 agreement at unrolled steps 1-3 " in printed and "(means of the last 26 steps)" in printed
 
     weights = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
