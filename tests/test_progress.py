@@ -1,8 +1,12 @@
 """cli.Progress: the line's format, rate and ETA from the counts and a fake clock, when lines are printed
 (to a log, and redrawn in place on a terminal)."""
 import io
+import shutil
+import subprocess
+import sys
 
 from cli import Progress, format_duration, format_rate
+from conftest import ROOT
 
 
 class Clock:
@@ -103,3 +107,16 @@ def test_durations_and_rates():
     assert [format_duration(s) for s in (0, 59.4, 61, 3599, 3600, 7380, 49 * 3600)] == \
         ["0s", "59s", "1m01s", "59m59s", "1h00m", "2h03m", "2d01h"]
     assert [format_rate(r) for r in (0.25, 1, 12.34, 5000.4)] == ["4 s each", "1/s", "12.3/s", "5000/s"]
+
+
+def test_a_real_process_writing_to_a_pipe_prints_plain_lines(checkpoints, tmp_path):
+    target_dir, _ = checkpoints("llama2")
+    shutil.copy(target_dir / "model.pth", tmp_path / "model.pth")
+    proc = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(tmp_path / "model.pth"),
+                           "--mode", "int8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "\r" not in proc.stdout and "\x1b" not in proc.stdout
+    assert [line.split(",")[0] for line in lines[:3]] == [f"quantizing {i}/3 layer groups ({100 * i / 3:.1f}%)"
+                                                          for i in (1, 2, 3)]
+    assert lines[2].endswith("; quantized layers.1") and "ETA" in lines[1] and "ETA" not in lines[2]
