@@ -14,7 +14,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from cli import cli_parser
+from cli import Progress, cli_parser
 
 
 def parse_args(argv=None):
@@ -150,9 +150,10 @@ def convert_target(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: P
     try:
         out = spill({"tok_embeddings.weight": weights.pop("model.embed_tokens.weight"),
                      "norm.weight": weights.pop("model.norm.weight")}, tmp_dir, "embeddings")
-        for i in range(args.n_layer):
-            log(f"converting layer {i + 1}/{args.n_layer}")
-            out.update(spill(convert_layer(weights, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
+        with Progress("converting", args.n_layer, "layers", log=log) as progress:
+            for i in range(args.n_layer):
+                out.update(spill(convert_layer(weights, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
+                progress.update(i + 1)
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
     if "lm_head.weight" in weights:

@@ -316,7 +316,9 @@ def test_conversion_shows_progress_and_holds_about_one_layer(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [l for l in lines if l.startswith("reading shard")] == [
         f"reading shard {s}/4: model-{s:05d}-of-00004.safetensors" for s in range(1, 5)]
-    assert [l for l in lines if l.startswith("converting layer")] == [f"converting layer {i}/8" for i in range(1, 9)]
+    progress = [l for l in lines if l.startswith("converting ")]  # a line per layer (each is 1/8 of the work)
+    assert [l.split(" (")[0] for l in progress] == [f"converting {i}/8 layers" for i in range(1, 9)]
+    assert all("ETA" in l for l in progress[:-1]) and "ETA" not in progress[-1] and "/s" in progress[-1]
     peak_kb = int(lines[-1].split()[1])
     assert peak_kb < 0.5 * total_kb, (peak_kb, total_kb)
     from safetensors.torch import load_file
