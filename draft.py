@@ -265,8 +265,8 @@ def feature_layer_ids(config: dict, where: str):
     if not isinstance(ids, list) or not all(type(k) is int for k in ids):
         raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer numbers, got {ids!r}")
     if len(ids) != 3:
-        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids names {len(ids)} target layers {ids}; "
-                          "eaglet runs EAGLE-3 heads that read three")
+        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids names {len(ids)} target layers; eaglet runs "
+                          "EAGLE-3 heads that read three")
     return ids
 
 
