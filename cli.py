@@ -94,7 +94,9 @@ class Progress:
     instead (at most every redraw_s) and ends with a newline; written to a log (log= given, or stdout not a
     terminal) every line is a line. The rate counts this run's items only (start: those done before it,
     as a resumed training's steps). detail: text after the counts, or a function giving it, called only
-    when a line is printed (a training step's means, which cost a device sync). clock: for tests."""
+    when a line is printed (a training step's means, which cost a device sync). clock: for tests.
+    Used as a context manager, it ends a redrawn line the loop left open (an error or ^C), so that what is
+    printed next starts on a line of its own."""
 
     def __init__(self, what: str, total: int, unit: str = "items", start: int = 0, log: Callable = None,
                  every_fraction: float = 0.05, every_s: float = 10.0, max_every_s: float = 120.0,
@@ -107,7 +109,20 @@ class Progress:
         self.live = self.log is None and getattr(self.stream, "isatty", lambda: False)()
         self.t0 = self.last_time = clock()
         self.last_done = start
-        self.finished = False
+        self.finished = self.open = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """End a line left open on a terminal."""
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
 
     def line(self, done: int, detail: str = "", now: float = None) -> str:
         elapsed = (self.clock() if now is None else now) - self.t0
@@ -145,8 +160,10 @@ class Progress:
         if self.log is not None:
             self.log(text)
         elif self.live:  # \r and clear to the end of the line; the last line stays
-            self.stream.write(f"\r{text}\x1b[K" + ("\n" if self.finished else ""))
-            self.stream.flush()
+            self.stream.write(f"\r{text}\x1b[K")
+            self.open = True
+            if self.finished:
+                self.close()
         else:
             print(text, file=self.stream, flush=True)
         return text

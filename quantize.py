@@ -181,10 +181,10 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
     try:  # the temporary folder beside the output: a failed write leaves no partial file, and os.replace works
         with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".eaglet-quantize-") as tmp_dir:
             out = {QUANT_KEY: quantization_record(mode, groupsize, checkpoint_path.name)}
-            progress = Progress("quantizing", len(layer_groups(state_dict)), "layer groups", log=log)
-            for i, (key, quantized) in enumerate(quantized_layers(state_dict, mode, groupsize)):
-                out.update(spill(quantized, Path(tmp_dir), f"part{i}"))  # on disk until the final write
-                progress.update(i + 1, f"quantized {key}")
+            with Progress("quantizing", len(layer_groups(state_dict)), "layer groups", log=log) as progress:
+                for i, (key, quantized) in enumerate(quantized_layers(state_dict, mode, groupsize)):
+                    out.update(spill(quantized, Path(tmp_dir), f"part{i}"))  # on disk until the final write
+                    progress.update(i + 1, f"quantized {key}")
             log(f"writing {out_path}")
             torch.save(out, Path(tmp_dir) / out_path.name)
             os.replace(Path(tmp_dir) / out_path.name, out_path)

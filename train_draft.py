@@ -354,10 +354,10 @@ def self_distilled_replies(items: list, out_dir: Path, record: dict, write_repli
         else:
             done = found.replies
             log(f"self-distillation: resuming at {len(done)}/{len(items)} examples from {partial}")
-    progress = Progress("self-distilling", len(items), "examples", start=len(done), log=log)
     try:
         write_lines(partial, [json.dumps(header)] + [json.dumps({"item": i, "replies": done[i]}) for i in sorted(done)])
-        with open(partial, "a", encoding="utf-8") as f:
+        with open(partial, "a", encoding="utf-8") as f, \
+                Progress("self-distilling", len(items), "examples", start=len(done), log=log) as progress:
             for i, item in enumerate(items):
                 if i not in done:
                     done[i] = write_replies(item)
@@ -593,26 +593,27 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
     head.setup_rope(cfg.seq_len + cfg.unroll_steps)  # EAGLE-3's step j runs j positions ahead
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     data = batches(examples, cfg.batch_size, cfg.seq_len, pad_id=0, seed=cfg.seed + start)
-    progress = Progress("training", cfg.steps, "steps", start=start, log=log)
-    recent = deque(maxlen=RECENT_STEPS)  # (loss, top-1) of the last steps, on the device: no sync until printed
-    for step in range(start, cfg.steps):
-        tokens, mask = (t.to(device) for t in next(data))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with autocast:
-            loss, top1 = loss_fn(head, target, tokens, mask, cfg)
-        if not torch.isfinite(loss):  # one sync a step; a NaN head must never be saved
-            raise EagletError(f"the loss became {loss.item()} at step {step + 1}: training diverged "
-                              f"(a smaller --lr or --noise may help); nothing was saved at this step")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        optimizer.step()
-        recent.append((loss.detach(), top1.detach()))
-        progress.update(step + 1, lambda: recent_means(recent))
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "config": asdict(cfg), "target": target_shape(target), "kind": head_settings(head)}, state_path)
+    with Progress("training", cfg.steps, "steps", start=start, log=log) as progress:
+        recent = deque(maxlen=RECENT_STEPS)  # (loss, top-1) of the last steps, on the device: no sync until printed
+        for step in range(start, cfg.steps):
+            tokens, mask = (t.to(device) for t in next(data))
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            with autocast:
+                loss, top1 = loss_fn(head, target, tokens, mask, cfg)
+            if not torch.isfinite(loss):  # one sync a step; a NaN head must never be saved
+                raise EagletError(f"the loss became {loss.item()} at step {step + 1}: training diverged "
+                                  f"(a smaller --lr or --noise may help); nothing was saved at this step")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+            optimizer.step()
+            recent.append((loss.detach(), top1.detach()))
+            progress.update(step + 1, lambda: recent_means(recent))
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                            "config": asdict(cfg), "target": target_shape(target), "kind": head_settings(head)},
+                           state_path)
     save_head(head, config, out_dir)
     return head
 

@@ -98,6 +98,10 @@ def test_a_terminal_gets_one_line_redrawn_and_a_log_gets_lines():
     text = out.getvalue()
     assert text.count("\r") == 5 and text.count("\n") == 1  # every 0.5 s, the last line ended
     assert text.endswith("\rtraining 10/10 steps (100.0%), 4/s, elapsed 2s\x1b[K\n")
+    clock, out = Clock(), Terminal()
+    with Progress("training", 10, "steps", clock=clock, stream=out) as p:  # stopped at step 3: the line is ended
+        run(p, clock, [(0.25 * i, i) for i in range(1, 4)])
+    assert out.getvalue() == "\rtraining 2/10 steps (20.0%), 4/s, elapsed 0s, ETA 2s\x1b[K\n"
     clock, out = Clock(), io.StringIO()  # not a terminal: lines
     run(Progress("training", 10, "steps", clock=clock, stream=out), clock, [(0.25 * i, i) for i in range(1, 11)])
     assert "\r" not in out.getvalue() and len(out.getvalue().splitlines()) == 10
