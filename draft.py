@@ -338,7 +338,8 @@ def head_kind(config: dict, keys, where: str) -> str:
     nested = sorted(k for k in keys if k.startswith("model."))
     if nested and is_eagle3_config(config):
         raise EagletError(f"{where}: an EAGLE-3 head with its weights under model. ({nested[0]}, ...), a layout "
-                          "eaglet does not read (EAGLE's and SpecForge's heads have midlayer.*, speculators' layers.0.*)")
+                          "eaglet does not read (EAGLE's and SpecForge's heads have midlayer.*, "
+                          "speculators' layers.0.*)")
     if "fc.weight" not in keys or config.get("num_hidden_layers", 1) != 1:
         why = "no fc.weight" if "fc.weight" not in keys else \
             f"num_hidden_layers {config['num_hidden_layers']}; eaglet runs heads of one layer"

@@ -115,9 +115,10 @@ def head_config_json(case: Case) -> dict:
                 "speculators_version": "0.3.0", "transformer_layer_config": layer, "draft_vocab_size": DRAFT_VOCAB,
                 "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": case.ids,
                 "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
-                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                                       "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}},
+                "speculators_config": {
+                    "algorithm": "eagle3", "default_proposal_method": "greedy",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                    "verifier": {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}},
                 "torch_dtype": "float32", "transformers_version": "4.56.0", **case.flags}
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **layer_shape(),
               "rms_norm_eps": 1e-5, "draft_vocab_size": DRAFT_VOCAB, "torch_dtype": "float32", **case.flags}
@@ -263,7 +264,7 @@ def test_speculators_head_decodes_like_the_target(checkpoints, tmp_path):
 
 
 def edit(case_name, config_edit=None, weights_edit=None):
-    """A head folder of this case, its config and weights changed; returns (weights, config)."""
+    """A maker of this case's (weights, config), the config and weights changed as given."""
     def make(embed):
         case = CASES[case_name]
         weights, config = head_weights(case, embed), head_config_json(case)
@@ -361,8 +362,9 @@ def test_shallow_target_with_default_layers_is_one_line(tmp_path):
     """End to end: an EAGLE-3 head without named layers on a 4-layer target."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=4,
-                                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)).save_pretrained(tmp_path / "t")
+    shallow = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=4,
+                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    LlamaForCausalLM(shallow).save_pretrained(tmp_path / "t")
     write_tokenizer(tmp_path / "t")
     write_head(tmp_path / "head", CASES["eagle"], torch.randn(VOCAB, HIDDEN))
     for folder in ("t", "head"):
@@ -376,7 +378,8 @@ def test_shallow_target_with_default_layers_is_one_line(tmp_path):
                                                        (64, 80, "vocabulary 80 vs 96", "hidden size")])
 def test_head_target_mismatch_names_only_what_differs(checkpoints, tmp_path, hidden, vocab, match, absent):
     target_dir, _ = checkpoints("llama2")  # hidden 64, vocabulary 96
-    write_eagle_head(tmp_path / "head", random_head_weights(hidden, 4, 4, 96, vocab), head_config(hidden, 4, 4, 96, vocab))
+    write_eagle_head(tmp_path / "head", random_head_weights(hidden, 4, 4, 96, vocab),
+                     head_config(hidden, 4, 4, 96, vocab))
     convert(tmp_path / "head", log=lambda *_: None)
     with pytest.raises(EagletError, match="does not match the target") as e:
         load_draft(tmp_path / "head" / "draft.pth", load_target(target_dir / "model.pth", "cpu", "fp32"))
