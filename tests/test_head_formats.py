@@ -28,6 +28,7 @@ from conftest import expect_error, head_config, random_head_weights, write_eagle
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 from draft import Eagle3Draft, eagle3_feature_layers
+from draft import head_config as flat_head_config
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
 from model import EagletError, causal_mask
 
@@ -356,6 +357,16 @@ def test_default_feature_layers_must_be_distinct_and_in_order(n_layer):
         assert "eagle_aux_hidden_state_layer_ids" in str(e.value)
     named = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}}
     assert eagle3_feature_layers(named, n_layer, "head") == (1, 2, 2)
+
+
+def test_top_level_ids_name_layer_inputs():
+    """Top-level eagle_aux_hidden_state_layer_ids (speculators' place for them, where vLLM reads them) name layer
+    inputs in any config; next to eagle_config's (layer outputs) they must agree."""
+    flat = {"eagle_aux_hidden_state_layer_ids": [1, 4, 6], "hidden_size": HIDDEN}
+    assert eagle3_feature_layers(flat_head_config(flat, "h"), L, "h") == (1, 4, 6)
+    both = {**flat, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5]}}
+    assert eagle3_feature_layers(flat_head_config(both, "h"), L, "h") == (1, 4, 6)
+    assert flat_head_config({"hidden_size": HIDDEN}, "h") == {"hidden_size": HIDDEN}  # EAGLE's: as it is
 
 
 def test_shallow_target_with_default_layers_is_one_line(tmp_path):
