@@ -255,39 +255,62 @@ def run_bench(argv, cwd=ROOT):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_pair")
     target, head, _ = make_agreeing_pair(root, vocab=64, hidden=64, wrong_fraction=0.3)
     convert(target), convert(head)
     (head / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(VOCAB_KEPT))}))
-    out = {"head": head}
-    for name, extra in [("beside", []), ("full", ["--draft_vocab", "full"])]:
-        stem = root / f"{name}.v1"  # a dot in the name stays: beside.v1.json
-        proc = run_bench(["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path",
-                          str(head / "draft.pth"), "--max_seq_length", "256", "--out", str(stem), *extra] + SMALL)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out[name] = SimpleNamespace(stdout=proc.stdout, stderr=proc.stderr,
-                                    results=json.loads(Path(f"{stem}.json").read_text()),
-                                    md=Path(f"{stem}.md").read_text())
-    return out
+    return SimpleNamespace(root=root, target=target / "model.pth", head=head)
 
 
-def test_reports_name_the_draft_vocab_beside_the_head(runs):
-    run, text = runs["beside"], f"{VOCAB_KEPT} of 64 tokens from {runs['head'] / 'draft_vocab.json'}"
+@pytest.fixture(scope="module")
+def runs(pair):
+    """name -> one real bench process on the pair (beside: the draft vocabulary beside the head; full), run once."""
+    done = {}
+
+    def run(name):
+        if name not in done:
+            stem = pair.root / f"{name}.v1"  # a dot in the name stays: beside.v1.json
+            extra = ["--draft_vocab", "full"] if name == "full" else []
+            proc = run_bench(["--checkpoint_path", str(pair.target), "--draft_checkpoint_path",
+                              str(pair.head / "draft.pth"), "--max_seq_length", "256", "--out", str(stem), *extra] + SMALL)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            done[name] = SimpleNamespace(stdout=proc.stdout, stderr=proc.stderr, md=Path(f"{stem}.md").read_text(),
+                                         results=json.loads(Path(f"{stem}.json").read_text()))
+        return done[name]
+    return run
+
+
+def test_reports_name_the_draft_vocab_beside_the_head(pair, runs):
+    run, text = runs("beside"), f"{VOCAB_KEPT} of 64 tokens from {pair.head / 'draft_vocab.json'}"
     assert f"draft vocabulary: {text}" in run.stdout
     assert f"Draft vocabulary: {text}" in run.md
     vocab = run.results["setup"]["draft_vocab"]
-    assert (vocab["tokens"], vocab["of"], vocab["source"]) == (VOCAB_KEPT, 64, str(runs["head"] / "draft_vocab.json"))
-    assert f"Head: {runs['head'] / 'draft.pth'} (EAGLE-1/2)" in run.md
+    assert (vocab["tokens"], vocab["of"], vocab["source"]) == (VOCAB_KEPT, 64, str(pair.head / "draft_vocab.json"))
+    assert f"Head: {pair.head / 'draft.pth'} (EAGLE-1/2)" in run.md and "USDT" not in run.stderr
 
 
-def test_draft_vocab_full_is_named_and_its_lm_head_read(runs):
-    """--draft_vocab full reaches the head: the bytes floor reads all 64 lm_head rows per draft pass, not 48."""
-    run = runs["full"]
+def test_draft_vocab_full_reaches_the_head(pair):
+    """--draft_vocab full: the head scores all 64 rows, and the bytes floor reads them on every draft pass."""
+    args = SimpleNamespace(model=None, checkpoint_path=pair.target, draft_checkpoint_path=pair.head / "draft.pth",
+                           precision="fp32", max_seq_length=256, draft_vocab=None)
+    tree, floors = TreeConfig(3, 4, 16), {}
+    for vocab, text in [(None, f"{VOCAB_KEPT} of 64 tokens from {pair.head / 'draft_vocab.json'}"),
+                        ("full", "full vocabulary (64)")]:
+        args.draft_vocab = vocab
+        target, draft = bench.load_models(args, "cpu")
+        assert bench.draft_vocab_used(args, target, draft)["text"] == text
+        floors[vocab] = bench.cycle_bytes(target, draft, tree, 128)["cycle"]
+    assert floors["full"] - floors[None] == (tree.depth + 1) * (64 - VOCAB_KEPT) * 64 * 4  # rows of 64 fp32
+
+
+@pytest.mark.slow
+def test_draft_vocab_full_is_named_in_every_report(runs):
+    run = runs("full")
     assert "draft vocabulary: full vocabulary (64)" in run.stdout and "Draft vocabulary: full vocabulary (64)" in run.md
     assert run.results["setup"]["draft_vocab"]["tokens"] == 64
     draft_passes, row_bytes = run.results["setup"]["tree"]["depth"] + 1, 64 * 4  # hidden 64, fp32
-    extra = run.results["cycle"]["cycle_bytes_GB"] - runs["beside"].results["cycle"]["cycle_bytes_GB"]
+    extra = run.results["cycle"]["cycle_bytes_GB"] - runs("beside").results["cycle"]["cycle_bytes_GB"]
     assert extra * 1e9 == pytest.approx(draft_passes * (64 - VOCAB_KEPT) * row_bytes)
 
 
@@ -298,7 +321,7 @@ def numbers(pattern: str, text: str) -> list:
 
 
 def test_derived_figures_follow_from_their_reported_inputs(runs):
-    r = runs["beside"].results
+    r = runs("beside").results
     setup, plain, cycle, side = r["setup"], r["plain"], r["cycle"], r["side_by_side"]
     limit = r["limit"]["side_by_side"]
     copy, spec = setup["copy_GB_per_s"], side["eaglet EAGLE-2"]
@@ -319,7 +342,7 @@ def test_derived_figures_follow_from_their_reported_inputs(runs):
     assert limit["tokens_per_s"] == pytest.approx(spec["tau"] * copy / cycle["cycle_bytes_GB"])
     assert limit["fraction"] == pytest.approx(spec["tokens_per_s"] / limit["tokens_per_s"])
     # ... and the markdown says so: its figures follow from the inputs it prints, within their rounding
-    md = runs["beside"].md
+    md = runs("beside").md
     tau, bw, gb, ctx, tokens_per_s, measured, percent = numbers(
         r"its tau ([\d.]+) x the copy bandwidth ([\d.]+) GB/s / the bytes floor ([\d.]+) GB per cycle "
         r"\(at context (\d+)\) = ([\d.]+) tokens/s; it measured ([\d.]+) tokens/s, ([\d.]+)% of that", md)
