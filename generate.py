@@ -663,7 +663,7 @@ def summarize(samples: list) -> dict:
             "tokens_per_s_max": max(speeds), "cycles": cycles, "tau": emitted / cycles if cycles else None}
 
 
-CHAT_HELP = "/reset starts a new conversation, /help shows this, /quit (or Ctrl-D) quits; Ctrl-C stops a reply"
+CHAT_HELP = "/reset starts a new conversation, /help shows this; /quit, Ctrl-D or Ctrl-C quits; Ctrl-C in a reply stops it"
 
 
 def read_turn() -> Optional[str]:

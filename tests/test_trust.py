@@ -239,7 +239,7 @@ def test_interactive_quits_quietly_and_answers_a_turn_too_long_for_the_history(c
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--max_new_tokens", "20",
                    "--device", "cpu", "--max_seq_length", "64"])  # returns: no SystemExit, no traceback
     out = capsys.readouterr().out
-    assert "Ctrl-D (or Ctrl-C) quits" in out and out.count("Assistant:") == 2
+    assert "/quit, Ctrl-D or Ctrl-C quits" in out and out.count("Assistant:") == 2
     assert "starting a new one with this message" in out
     monkeypatch.setattr("builtins.input", scripted_input([" ".join(["w1"] * 80), "w1 \udcff w2", "w3"]))
     generate.main(["--checkpoint_path", str(path / "model.pth"), "--interactive", "--device", "cpu",
