@@ -39,9 +39,10 @@ def json_object(text: str) -> dict:
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", type=Path, default=None,
-                   help="model.pth written by convert_hf_checkpoint.py (default: the demo in demo/)")
+                   help="model.pth written by convert_hf_checkpoint.py (or quantize.py), or its folder "
+                        "(default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head: switches to speculative decoding")
+                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head, or its folder: switches to speculative decoding")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
