@@ -111,7 +111,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from draft import DraftHead, DraftTree, EagleDraft, build_tree, load_head, read_draft_vocab  # noqa: E402
+from draft import (DraftHead, DraftTree, EagleDraft, build_tree, head_config, load_head,  # noqa: E402
+                   read_draft_vocab)
 from model import (EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask,  # noqa: E402
                    decode_mask, read_config)
 from tokenizer import Tokenizer  # noqa: E402
@@ -835,7 +836,8 @@ def load(args):
         f"tokens, depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
     print(f"target {short_path(args.checkpoint_path)} ({weights_format(model)}); {head}; {args.device}, "
           f"{args.precision}")
-    trained = read_config(args.draft_checkpoint_path.parent).get("max_position_embeddings") if draft else None
+    trained = head_config(read_config(args.draft_checkpoint_path.parent), "the head").get(
+        "max_position_embeddings") if draft else None
     if isinstance(trained, int) and trained < model.max_seq_length:
         print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
               f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "

@@ -723,6 +723,9 @@ def save_head(head: DraftHead, config: dict, out_dir: Path):
                    **export_layer(sd, "layer.", "midlayer.", args),
                    "d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d}  # target id = draft id + d2t
     save_file({k: t.contiguous() for k, t in weights.items()}, str(out_dir / "model.safetensors"))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600: others could not read it
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -187,6 +187,21 @@ MUTANTS = [
     M("validation: total_tokens above what the tree can hold", "generate.py",
       "if not 2 <= self.total_tokens <= self.max_total_tokens:", "if not 2 <= self.total_tokens:"),
     M("validation: a prompt that does not fit the cache", "generate.py", "if need > model.max_seq_length:", "if False:"),
+    # EAGLE-3 head formats
+    M("eagle3: speculators' aux ids read as layer outputs", "draft.py",
+      '"eagle_aux_hidden_state_layer_ids": [k - 1 for k in ids]}', '"eagle_aux_hidden_state_layer_ids": [k for k in ids]}'),
+    M("eagle3: norm_before_residual ignored", "draft.py", "        if self.norm_before_residual:\n", "        if False:\n"),
+    M("eagle3: norm_output not fed back", "draft.py", "return self.norm(h) if self.flags.norm_output else h", "return h"),
+    # the user's hour
+    M("stop: the tokens past the stop string are kept", "generate.py", "            del tokens[start + keep:]\n", ""),
+    M("json_out: only the last sample is written", "generate.py",
+      '"samples": samples,', '"samples": samples[-1:],'),
+    M("interactive: Ctrl-C keeps trusting the cache", "generate.py",
+      "            cached = []\n            continue", "            continue"),
+    M("self-distill: the record ignores max_new_tokens", "train_draft.py",
+      '"seq_len": seq_len, "max_new_tokens": max_new_tokens,', '"seq_len": seq_len,'),
+    M("self-distill: a partial file is never resumed", "train_draft.py",
+      "            done = found.replies\n", "            done = {}\n"),
     # the rest
     M("streamer: prints half a character", "generate.py", 'if not self.text.endswith("\\ufffd"):', "if True:"),
     M("quantize: int8 scale off by one step", "quantize.py",

@@ -475,5 +475,6 @@ def make_context_pair(root: Path, noise: float = 0.0, seed: int = 0, missing: in
     w["t2d"] = torch.zeros(vocab, dtype=torch.bool)
     w["t2d"][kept] = True
     write_eagle_head(root / "head3", w, eagle3_config(hidden, heads, heads, 2 * hidden, vocab, len(kept),
-                                                      rope_theta=CTX_ROPE_BASE))
+                                                      rope_theta=CTX_ROPE_BASE,  # layer outputs 0, 1, 2
+                                                      eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
     return root / "target", root / "head", root / "head3"

@@ -52,6 +52,9 @@ def test_training_lowers_the_loss_and_tools_accept_the_head(checkpoints, tmp_pat
     assert after < 0.9 * before and top1_after > top1_before
 
     assert set(load_file(str(tmp_path / "head" / "model.safetensors"))) == PUBLISHED_KEYS
+    umask = os.umask(0o022)
+    os.umask(umask)  # the head is readable as any file this user writes is (safetensors alone makes it 0600)
+    assert (tmp_path / "head" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((tmp_path / "head" / "config.json").read_text())["num_hidden_layers"] == 1
     convert(tmp_path / "head")
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 200)
