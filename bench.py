@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
-    p.add_argument("--depth", type=int_flag(1), default=6, help="draft tree expansion steps")
+    p.add_argument("--depth", type=int_flag(1), default=None,
+                   help="draft tree expansion steps (default: the head's, as generate.py: 6; 7 for EAGLE-3 heads)")
     p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
     p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
@@ -96,7 +97,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from draft import EagleDraft, read_draft_vocab  # noqa: E402
+from draft import Eagle3Draft, EagleDraft, read_draft_vocab  # noqa: E402
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConfig, TreeConfig,  # noqa: E402
                       catch_up, check_writable, commit, compile_settings, compile_step, cycle_weight_bytes,
                       decode_one_token, device_sync, generate, load_draft, load_target, pick_device, prefill,
@@ -576,13 +577,15 @@ def main(argv=None):
     args.side_tokens = args.side_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else SIDE_TOKENS)
     paths = out_files(args.out)
     try:
-        tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+        # the lengths are checked before loading, at the deeper of the two heads' default depths
+        tree = TreeConfig(args.depth or Eagle3Draft.default_depth, args.tree_topk, args.total_tokens)
         check_lengths(args, tree)
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         check_out(paths, args.overwrite)
         torch.manual_seed(0)
         target, draft = load_models(args, device)
+        tree = TreeConfig(args.depth or draft.default_depth, args.tree_topk, args.total_tokens)
         if tree.topk > draft.vocab_size:
             raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
         vocab, head = draft_vocab_used(args, target, draft), head_name(args, draft)

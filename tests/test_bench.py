@@ -467,3 +467,15 @@ def test_default_out_folder_is_ignored_by_git():
     tracked_but_ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT,
                                          capture_output=True, text=True).stdout
     assert tracked_but_ignored == ""
+
+
+@pytest.mark.slow
+def test_the_tree_depth_defaults_to_the_heads_own(tmp_path):
+    """As in generate.py: an EAGLE-3 head decodes at depth 7 unless --depth says otherwise."""
+    target, head = make_agreeing_eagle3_pair(tmp_path, missing=8)
+    convert(target), convert(head)
+    base = ["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path", str(head), "--device", "cpu",
+            "--tree_topk", "4", "--total_tokens", "16", "--repeats", "1", "--side_tokens", "8", "--max_seq_length", "512"]
+    for extra, depth in (([], 7), (["--depth", "3"], 3)):
+        bench.main(base + extra + ["--out", str(tmp_path / f"r{depth}")])
+        assert json.loads((tmp_path / f"r{depth}.json").read_text())["setup"]["tree"]["depth"] == depth
