@@ -97,7 +97,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from draft import Eagle3Draft, EagleDraft, read_draft_vocab  # noqa: E402
+from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConfig, TreeConfig,  # noqa: E402
                       catch_up, check_writable, commit, compile_settings, compile_step, cycle_weight_bytes,
                       decode_one_token, device_sync, generate, load_draft, load_target, pick_device, prefill,
@@ -577,15 +577,15 @@ def main(argv=None):
     args.side_tokens = args.side_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else SIDE_TOKENS)
     paths = out_files(args.out)
     try:
-        # the lengths are checked before loading, at the deeper of the two heads' default depths
-        tree = TreeConfig(args.depth or Eagle3Draft.default_depth, args.tree_topk, args.total_tokens)
-        check_lengths(args, tree)
+        tree = TreeConfig(args.depth or DraftHead.default_depth, args.tree_topk, args.total_tokens)
+        check_lengths(args, tree)  # before loading; again once the head's own depth is known
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         check_out(paths, args.overwrite)
         torch.manual_seed(0)
         target, draft = load_models(args, device)
         tree = TreeConfig(args.depth or draft.default_depth, args.tree_topk, args.total_tokens)
+        check_lengths(args, tree)
         if tree.topk > draft.vocab_size:
             raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
         vocab, head = draft_vocab_used(args, target, draft), head_name(args, draft)
