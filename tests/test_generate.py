@@ -267,29 +267,31 @@ def test_interactive_help_reset_and_ctrl_c(checkpoints, monkeypatch, capsys):
     path, _ = checkpoints("llama2")
     calls, results = [], []
     real_generate, real_call = generate.generate, generate.TextStreamer.__call__
-    interrupted = []
+    streamed = []
 
-    def ctrl_c_once(self, new_tokens):
-        if not interrupted:
-            interrupted.append(True)
+    def ctrl_c_in_the_second_reply(self, new_tokens):
+        streamed.append(len(calls))
+        if streamed.count(2) == 1 and len(calls) == 2:
             raise KeyboardInterrupt
         return real_call(self, new_tokens)
-    monkeypatch.setattr(generate.TextStreamer, "__call__", ctrl_c_once)
-    monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7", "/help", "/reset", "w8", "/quit", "w9"]))
+    monkeypatch.setattr(generate.TextStreamer, "__call__", ctrl_c_in_the_second_reply)
+    monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7", "w9", "/help", "/reset", "w8", "/quit", "w1"]))
     monkeypatch.setattr(generate, "generate",
                         lambda *a, **k: calls.append((a, k)) or results.append(real_generate(*a, **k)) or results[-1])
     generate.main(["--checkpoint_path", str(path), "--interactive", "--max_new_tokens", "5", "--device", "cpu",
                    "--max_seq_length", "128"])
     out = capsys.readouterr().out
-    assert len(calls) == 3 and len(results) == 2  # Ctrl-C stopped the first reply, not the session; /quit quit
+    assert len(calls) == 4 and len(results) == 3  # Ctrl-C stopped the second reply, not the session; /quit quit
     assert "(stopped)" in out and "/reset starts a new conversation" in out and "(a new conversation)" in out
     tok = generate.Tokenizer(path)
-    second = tok.encode_chat([{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": ""},
-                              {"role": "user", "content": "w7"}])
-    assert calls[1][0][1] == second and calls[1][1]["start_pos"] == 0  # the cut reply kept; the cache not trusted
-    assert calls[2][0][1] == tok.encode_chat([{"role": "user", "content": "w8"}])  # after /reset: w8 alone
-    model = calls[1][0][0]
-    for call, result in zip(calls[1:], results):  # each reply equals a fresh run on its prompt
+    first = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": tok.decode(results[0].tokens)}]
+    third = tok.encode_chat(first + [{"role": "user", "content": "w7"}, {"role": "assistant", "content": ""},
+                                     {"role": "user", "content": "w9"}])
+    assert calls[1][1]["start_pos"] > 0  # the second turn reused the first one's cache
+    assert calls[2][0][1] == third and calls[2][1]["start_pos"] == 0  # the cut reply kept; the cache not trusted
+    assert calls[3][0][1] == tok.encode_chat([{"role": "user", "content": "w8"}])  # after /reset: w8 alone
+    model = calls[2][0][0]
+    for call, result in zip([calls[0]] + calls[2:], results):  # each reply equals a fresh run on its prompt
         assert real_generate(model, call[0][1], 5, generate.SamplingConfig()).tokens == result.tokens
 
 
