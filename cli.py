@@ -2,6 +2,7 @@
 torch (seconds), so --help and usage mistakes answer at once."""
 import argparse
 import math
+import os
 import re
 import sys
 import time
@@ -24,8 +25,16 @@ def cli_parser(doc: str) -> argparse.ArgumentParser:
     """The tools' argument parser: --help shows every default; a usage mistake ends with one line,
     'error: ...', and exit status 1, like every other mistake."""
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}")
+    p.error = lambda message: sys.exit(f"error: {message}" if not torchrun_rank() else 1)
     return p
+
+
+def torchrun_rank():
+    """This process's rank when torchrun started it (tensor parallel, tp.py), else None. Ranks other than 0
+    print nothing: rank 0 speaks for all of them."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    return int(os.environ["RANK"])
 
 
 def int_flag(low: int = 0, high: int = 2 ** 63 - 1) -> Callable:

@@ -5,6 +5,7 @@
 """
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -15,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
-from cli import PRECISION_NAMES, cli_parser, int_flag, float_flag, utf8_text
+from cli import PRECISION_NAMES, cli_parser, int_flag, float_flag, torchrun_rank, utf8_text
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_PROMPT = "def read_lines(path):\n"  # where the small demo model writes plausible code for a while
@@ -98,6 +99,8 @@ def parse_args(argv=None):
         p.error("--stop needs a non-empty text")
     if args.interactive and args.json_out:
         p.error("--json_out records one generation; --interactive has many (give a --prompt instead)")
+    if args.interactive and torchrun_rank() is not None:
+        p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
     if args.no_draft:
         args.draft_checkpoint_path = None
     args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
@@ -109,6 +112,7 @@ if __name__ == "__main__":
     parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from draft import (DraftHead, DraftTree, EagleDraft, build_tree, head_config, load_head,  # noqa: E402
@@ -116,6 +120,7 @@ from draft import (DraftHead, DraftTree, EagleDraft, build_tree, head_config, lo
 from model import (EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask,  # noqa: E402
                    decode_mask, read_config)
 from tokenizer import Tokenizer  # noqa: E402
+import tp  # noqa: E402
 
 PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 
@@ -435,7 +440,9 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
         if draft is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens do not count
             accept_lengths.append(len(tokens) - n_before)
     device_sync(device)
-    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+    seconds = time.perf_counter() - t0
+    tp.check_in_step(model.tp_group, tokens)
+    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths)
 
 
 def one_prompt(prompt_tokens) -> list:
@@ -527,10 +534,12 @@ def converted_file(path, name: str) -> Path:
     return path
 
 
-def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0) -> Transformer:
+def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0, group=None) -> Transformer:
     """The target on device in precision, with a KV cache of max_seq_length slots (none if 0).
-    checkpoint_path: model.pth (or a quantized one) or its folder."""
-    model = Transformer.from_checkpoint(converted_file(checkpoint_path, "model.pth"), device=device, dtype=PRECISIONS[precision])
+    checkpoint_path: model.pth (or a quantized one) or its folder. group: tensor parallel, this rank's shard."""
+    path, dtype = converted_file(checkpoint_path, "model.pth"), PRECISIONS[precision]
+    model = tp.load_sharded(path, group, device, dtype) if group is not None else \
+        Transformer.from_checkpoint(path, device=device, dtype=dtype)
     if max_seq_length:
         with torch.device(device):
             model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
@@ -609,9 +618,10 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
         n_bytes = len(result.tokens) * weight_bytes(model)
     else:
         n_bytes = weight_bytes(model) + cycles * cycle_weight_bytes(model, draft, tree)
+    per_rank = " per rank (rank 0's shard)" if model.tp_group is not None else ""
     print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s, "
-          f"weights read {n_bytes / max(result.seconds, 1e-9) / 1e9:.2f} GB/s, "
-          f"peak memory {peak_memory_gb(device):.2f} GB")
+          f"weights read {n_bytes / max(result.seconds, 1e-9) / 1e9:.2f} GB/s{per_rank}, "
+          f"peak memory {peak_memory_gb(device):.2f} GB{per_rank}")
     if cycles:
         counts = Counter(result.accept_lengths)
         histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
@@ -652,7 +662,7 @@ def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Call
               "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here; "
               "the text is the same either way. Speculation pays where each forward reads gigabytes of weights: "
               "a 7B model on a GPU)")
-    if args.json_out:
+    if args.json_out and not torchrun_rank():
         write_output(args.json_out, json.dumps({"prompt_tokens": prompt, "samples": samples, **summary}))
 
 
@@ -799,15 +809,16 @@ def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
         raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
 
 
-def load(args):
-    """Model, tokenizer, draft, the tree and the prompt (None for --interactive) as the flags ask."""
+def load(args, group=None):
+    """Model, tokenizer, draft, the tree and the prompt (None for --interactive) as the flags ask; under
+    tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
     sampling, tree = configs(args)  # checks the flags before anything is loaded
-    if args.json_out:
+    if args.json_out and not torchrun_rank():  # rank 0 writes it
         check_writable(args.json_out, "--json_out")
     args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
     if args.draft_checkpoint_path:
         args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
-    model = load_target(args.checkpoint_path, args.device, args.precision)
+    model = load_target(args.checkpoint_path, args.device, args.precision, group=group)
     draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
         if args.draft_checkpoint_path else None
     if draft is not None:
@@ -828,21 +839,24 @@ def load(args):
         model.setup_caches(max_batch_size=1, max_seq_length=cache_length(args, model, prompt, scratch))
     if draft is not None:
         draft.setup_caches(model.max_seq_length)
-    if draft is not None and args.total_tokens == "auto":
-        tree = replace(tree, total_tokens=pick_total_tokens(model, tree))
     if draft is not None and tree.topk > draft.vocab_size:
         raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+    return model, tokenizer, draft, sampling, tree, prompt
+
+
+def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeConfig):
+    """The start-up line: what runs, in which formats, where."""
     head = f"head {short_path(args.draft_checkpoint_path)} ({weights_format(draft)}), tree {tree.total_tokens} " \
         f"tokens, depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
+    ranks = f", tensor parallel over {dist.get_world_size(model.tp_group)} ranks" if model.tp_group else ""
     print(f"target {short_path(args.checkpoint_path)} ({weights_format(model)}); {head}; {args.device}, "
-          f"{args.precision}")
+          f"{args.precision}{ranks}")
     trained = head_config(read_config(args.draft_checkpoint_path.parent), "the head").get(
         "max_position_embeddings") if draft else None
     if isinstance(trained, int) and trained < model.max_seq_length:
         print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
               f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "
               "stays exact)")
-    return model, tokenizer, draft, sampling, tree, prompt
 
 
 def short_path(path: Path) -> str:
@@ -852,10 +866,17 @@ def short_path(path: Path) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    group = None
+    if torchrun_rank():  # tensor parallel: rank 0 prints for all
+        sys.stdout = open(os.devnull, "w")
     try:
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-        model, tokenizer, draft, sampling, tree, prompt = load(args)
+        group = tp.start(args.device)
+        model, tokenizer, draft, sampling, tree, prompt = tp.agreed(group, load, args, group)
+        if draft is not None and args.total_tokens == "auto":  # timed on each rank, rank 0's choice for all
+            tree = replace(tree, total_tokens=tp.rank0_value(group, pick_total_tokens(model, tree)))
+        describe(args, model, draft, tree)
         compile_settings(model, args.device)
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
@@ -868,10 +889,12 @@ def main(argv=None):
         else:
             run_once(args, gen, tokenizer, prompt, show)
     except EagletError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if not torchrun_rank() else 1)
     except KeyboardInterrupt:
         print()
         sys.exit(130)
+    finally:
+        tp.stop(group)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
@@ -348,6 +349,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.kv_cache: Optional[KVCache] = None
+        self.tp_group = None  # tensor parallel (tp.py): this rank holds some heads; wo's output is a partial sum
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
         bsz, seqlen, _ = x.shape
@@ -362,7 +364,13 @@ class Attention(nn.Module):
         if self.kv_cache is not None:  # without a cache (training) the block attends to itself only
             k, v = self.kv_cache.update(cache_slots, k, v)
         y = attend(q, k, v, mask)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim))
+        return all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim)), self.tp_group)
+
+
+def all_reduce(x: Tensor, group) -> Tensor:
+    """Tensor parallel: a row-parallel Linear's output on each rank is a partial sum; every rank gets their total
+    (a functional collective: it compiles into the graph, CUDA graphs included). No group: x itself."""
+    return x if group is None else funcol.all_reduce(x, "sum", group)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
@@ -449,10 +457,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.tp_group = None  # tensor parallel (tp.py): this rank holds a slice of the intermediate dimension
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return all_reduce(self.w2(F.silu(gate) * up), self.tp_group)
 
 
 class TransformerBlock(nn.Module):
@@ -498,6 +507,7 @@ class Transformer(nn.Module):
         self.max_seq_length = 0
         self.feature_layers: tuple = ()  # set by an EAGLE-3 head: the layers whose input it reads
         self.quantization: Optional[dict] = None  # a quantized checkpoint's record (mode, groupsize, ...)
+        self.tp_group = None  # tensor parallel: the process group its layers are sharded over (tp.py)
 
     def set_feature_layers(self, layers):
         """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead
@@ -521,14 +531,15 @@ class Transformer(nn.Module):
                               "eaglet treats attention as full, which is exact only within the window")
         weight = self.tok_embeddings.weight  # float in every format: the activations' dtype
         self.max_seq_length = max_seq_length
+        n_kv = self.layers[0].attention.n_kv  # this rank's K/V heads (all of them unless tensor parallel)
         try:
             for layer in self.layers:
-                layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, args.n_local_heads,
-                                                   args.head_dim, weight.dtype).to(weight.device)
+                layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, n_kv, args.head_dim,
+                                                   weight.dtype).to(weight.device)
         except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU allocator's refusal
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
-            kv_gb = 2 * args.n_layer * max_batch_size * max_seq_length * args.n_local_heads * args.head_dim \
+            kv_gb = 2 * args.n_layer * max_batch_size * max_seq_length * n_kv * args.head_dim \
                 * weight.element_size() / 1e9
             raise EagletError(f"a KV cache of {max_seq_length} slots ({kv_gb:.1f} GB) does not fit in memory on "
                               f"{weight.device}: a smaller --max_seq_length needs less")
