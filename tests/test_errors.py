@@ -81,7 +81,8 @@ def w(checkpoints, tmp_path_factory):
                                                           (p / "tokenizer.model").write_bytes(b"garbage" * 10)))
     ns.small_tok = broken("small_tok", lambda p: write_tokenizer(p, vocab_size=40))
     ns.hf_file = good / "model.safetensors"
-    ns.hf_folder = broken("hf_folder", lambda p: (p / "model.pth").unlink()).parent
+    # every .pth: model.pth, and those test_quantize.py may have written into the shared folder
+    ns.hf_folder = broken("hf_folder", lambda p: [f.unlink() for f in p.glob("*.pth")]).parent
     ns.hf_head = root / "hf_head"
     write_eagle_head(ns.hf_head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
     ns.not_object = broken("not_object", lambda p: (p / "config.json").write_text("[1, 2]"))
