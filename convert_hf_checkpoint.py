@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 
 from draft import eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_eagle3_config  # noqa: E402
 from model import EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
+from quantize import spill  # noqa: E402
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -86,35 +87,25 @@ def load_hf_weights(checkpoint_dir: Path, log=print) -> LazyWeights:
     return weights
 
 
-def spill(tensors: dict, tmp_dir: Path, name: str) -> dict:
-    """Tensors written to a temporary file and mapped back: they wait on disk, not in memory, until the
-    final torch.save reads them."""
-    path = Path(tmp_dir) / f"{name}.pt"
-    torch.save(tensors, path)
-    return torch.load(path, mmap=True, weights_only=True)
+# Our Linears and the Hugging Face projections fused into each, in order (q, k, v; gate, up).
+LAYER_LINEARS = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "attention.wo": ("self_attn.o_proj",),
+                 "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
+                 "feed_forward.w2": ("mlp.down_proj",)}
 
 
 def convert_layer(weights: dict, src: str, dst: str) -> dict:
-    """One decoder layer from Hugging Face names (prefix src) to ours (prefix dst). Pops what it uses."""
-    attn, mlp = f"{src}self_attn.", f"{src}mlp."
-    out = {
-        f"{dst}attention.wqkv.weight": torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "qkv"]),
-        f"{dst}attention.wo.weight": weights.pop(f"{attn}o_proj.weight"),
-        f"{dst}feed_forward.w13.weight": torch.cat([weights.pop(f"{mlp}gate_proj.weight"),
-                                                    weights.pop(f"{mlp}up_proj.weight")]),
-        f"{dst}feed_forward.w2.weight": weights.pop(f"{mlp}down_proj.weight"),
-        f"{dst}ffn_norm.weight": weights.pop(f"{src}post_attention_layernorm.weight"),
-    }
-    if f"{attn}q_proj.bias" in weights:
-        out[f"{dst}attention.wqkv.bias"] = torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])
-    if f"{attn}o_proj.bias" in weights:
-        out[f"{dst}attention.wo.bias"] = weights.pop(f"{attn}o_proj.bias")
-    if f"{mlp}gate_proj.bias" in weights:  # LLaMA mlp_bias
-        out[f"{dst}feed_forward.w13.bias"] = torch.cat([weights.pop(f"{mlp}{p}_proj.bias") for p in ("gate", "up")])
-        out[f"{dst}feed_forward.w2.bias"] = weights.pop(f"{mlp}down_proj.bias")
+    """One decoder layer from Hugging Face names (prefix src) to ours (prefix dst). Pops what it uses. Each
+    Linear's parts are fused alike: weight, bias, and the scales and zeros of a Hub 4-bit checkpoint's."""
+    out = {}
+    for ours, theirs in LAYER_LINEARS.items():
+        for part in ("weight", "bias", "scales", "zeros"):
+            if part == "weight" or f"{src}{theirs[0]}.{part}" in weights:
+                out[f"{dst}{ours}.{part}"] = torch.cat([weights.pop(f"{src}{t}.{part}") for t in theirs])
+    out[f"{dst}ffn_norm.weight"] = weights.pop(f"{src}post_attention_layernorm.weight")
     for norm in ("q_norm", "k_norm"):  # Qwen3
-        if f"{attn}{norm}.weight" in weights:
-            out[f"{dst}attention.{norm}.weight"] = weights.pop(f"{attn}{norm}.weight")
+        if f"{src}self_attn.{norm}.weight" in weights:
+            out[f"{dst}attention.{norm}.weight"] = weights.pop(f"{src}self_attn.{norm}.weight")
     if f"{src}input_layernorm.weight" in weights:
         out[f"{dst}attention_norm.weight"] = weights.pop(f"{src}input_layernorm.weight")
     return out

@@ -48,7 +48,6 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from convert_hf_checkpoint import spill  # noqa: E402
 from model import QUANT_FORMAT_VERSION, QUANT_KEY, EagletError, load_state_dict  # noqa: E402
 
 EMBEDDINGS = ("tok_embeddings.weight", "embed.weight")  # the only 2-D weights that are not Linears
@@ -73,8 +72,20 @@ def quantize_int4(w: Tensor, groupsize: int):
     scales = ((high - low) / 15).clamp(min=1e-6).to(torch.bfloat16)
     zeros = (low + 8 * scales.float()).to(torch.bfloat16)  # rounded first: q is computed from what is stored
     q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
-    q = q.to(torch.uint8).reshape(out_features, in_features)
-    return (q[:, 0::2] << 4) | q[:, 1::2], scales, zeros
+    return pack_int4(q.to(torch.uint8).reshape(out_features, in_features)), scales, zeros
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """uint8 values 0..15 [out, in] -> [out, in / 2], two a byte, the even input channel in the high nibble."""
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def spill(tensors: dict, tmp_dir: Path, name: str) -> dict:
+    """Tensors written to a temporary file and mapped back: they wait on disk, not in memory, until the
+    final torch.save reads them."""
+    path = Path(tmp_dir) / f"{name}.pt"
+    torch.save(tensors, path)
+    return torch.load(path, mmap=True, weights_only=True)
 
 
 def output_path(checkpoint_path: Path, mode: str, groupsize: int) -> Path:

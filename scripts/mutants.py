@@ -144,16 +144,14 @@ MUTANTS = [
       "h = x + self.attention(attn_in, cos, sin, cache_slots, mask)", "h = self.attention(attn_in, cos, sin, cache_slots, mask)"),
     # conversion
     M("conversion: q and k swapped", "convert_hf_checkpoint.py",
-      'torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "qkv"])',
-      'torch.cat([weights.pop(f"{attn}{p}_proj.weight") for p in "kqv"])'),
+      '("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")',
+      '("self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj")'),
     M("conversion: k and v biases swapped", "convert_hf_checkpoint.py",
-      'torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qkv"])',
-      'torch.cat([weights.pop(f"{attn}{p}_proj.bias") for p in "qvk"])'),
+      'torch.cat([weights.pop(f"{src}{t}.{part}") for t in theirs])',
+      'torch.cat([weights.pop(f"{src}{t}.{part}") for t in (theirs[:1] + theirs[:0:-1] if part == "bias" '
+      'else theirs)])'),
     M("conversion: gate and up swapped", "convert_hf_checkpoint.py",
-      'torch.cat([weights.pop(f"{mlp}gate_proj.weight"),\n                                                    '
-      'weights.pop(f"{mlp}up_proj.weight")])',
-      'torch.cat([weights.pop(f"{mlp}up_proj.weight"),\n                                                    '
-      'weights.pop(f"{mlp}gate_proj.weight")])'),
+      '("mlp.gate_proj", "mlp.up_proj")', '("mlp.up_proj", "mlp.gate_proj")'),
     M("conversion: EAGLE-3 norms swapped", "convert_hf_checkpoint.py",
       '"layer.hidden_norm.weight": weights.pop("midlayer.hidden_norm.weight"),\n'
       '               "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}',
