@@ -524,7 +524,7 @@ def convert_int4_target(checkpoint_dir: Path, config: dict, weights: dict, tmp_d
     if weights:
         raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])}")
     log(f"{scheme.source}: the largest weight change from the scales and zeros in bf16 is {100 * worst[0]:.3f}% "
-        f"of its row's largest weight ({worst[1] or 'none'})")
+        f"of its row's largest weight ({worst[1] if worst[0] else 'every weight exact'})")
     return out
 
 
