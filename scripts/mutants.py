@@ -157,6 +157,14 @@ MUTANTS = [
       '               "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}',
       '"layer.hidden_norm.weight": weights.pop("midlayer.input_layernorm.weight"),\n'
       '               "layer.embed_norm.weight": weights.pop("midlayer.hidden_norm.weight")}'),
+    M("hub int4: AWQ's interleaved columns read in storage order", "convert_hf_checkpoint.py",
+      "slot = [AWQ_ORDER.index(c) for c in range(8)]", "slot = list(range(8))"),
+    M("hub int4: gptq's stored z - 1 read as z", "convert_hf_checkpoint.py",
+      'zero_offset=1 if fmt == "gptq" else 0', "zero_offset=0"),
+    M("hub int4: 4-bit values read from the highest bits first", "convert_hf_checkpoint.py",
+      "out[..., j] = (packed >> 4 * j) & 15", "out[..., j] = (packed >> 4 * (7 - j)) & 15"),
+    M("hub int4: act-order groups taken as contiguous", "convert_hf_checkpoint.py",
+      "if g_idx is not None and not torch.equal(", "if False and not torch.equal("),
     M("conversion: the head's fc bias dropped", "convert_hf_checkpoint.py",
       'out["fc.bias"] = weights.pop("fc.bias")', 'weights.pop("fc.bias")'),
     # validation: each check removed
