@@ -236,8 +236,8 @@ REAL = [("awq", "llama31", 32, 1), ("gptq", "qwen2", 32, 2), ("gptq_v2", "llama3
 
 @pytest.mark.parametrize("fmt,kind,groupsize,shards", REAL, ids=[r[0] for r in REAL])
 def test_converted_weights_follow_the_formats_formula(checkpoints, tmp_path, fmt, kind, groupsize, shards):
-    """Weights quantized as the writers do, scales in fp16 (bf16 for compressed-tensors, as llm-compressor
-    keeps a bf16 model's): ours are (q - 8) * bf16(s) + bf16((8 - z) * s) exactly, so the integers and groups
+    """Weights quantized as the writers do, scales in fp16 (in bf16 for compressed-tensors, to cover both):
+    ours are (q - 8) * bf16(s) + bf16((8 - z) * s) exactly, so the integers and groups
     carried over; the printed figure is the largest change; logits follow transformers on (q - z) * s."""
     src, _ = checkpoints(kind)
     scale_dtype = torch.bfloat16 if fmt.startswith("ct") else torch.float16
