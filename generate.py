@@ -866,7 +866,7 @@ def short_path(path: Path) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    group = None
+    group, status = None, 0
     if torchrun_rank():  # tensor parallel: rank 0 prints for all
         sys.stdout = open(os.devnull, "w")
     try:
@@ -889,13 +889,14 @@ def main(argv=None):
         else:
             run_once(args, gen, tokenizer, prompt, show)
     except EagletError as e:
-        sys.exit(f"error: {e}" if not torchrun_rank() else 1)
+        status = f"error: {e}" if not torchrun_rank() else 1
     except KeyboardInterrupt:
         print()
-        sys.exit(130)
-    finally:
-        tp.stop(group)
-
+        status = 130
+    if torchrun_rank() is not None:
+        tp.finish(group, status)
+    if status:
+        sys.exit(status)
 
 if __name__ == "__main__":
     main()

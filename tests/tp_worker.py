@@ -1,0 +1,39 @@
+"""Runs decoding cases for test_tp.py: `torchrun --nproc_per_node=N tests/tp_worker.py CASES.json OUT.json` shards
+each target over the ranks (tensor parallel, gloo); test_tp.py calls run_cases() in its own process for the
+single-process reference. A case: {"target", "head" (or null), "prompts" (lists of ids), "max_new_tokens",
+"temperature", "seed"}. Rank 0 writes [{"tokens": [...], "accept_lengths": [...]} per prompt] per case."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tp  # noqa: E402
+from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target  # noqa: E402
+
+
+def run_cases(cases: list, group=None) -> list:
+    results = []
+    for case in cases:
+        model = load_target(case["target"], "cpu", "fp32", max_seq_length=256, group=group)
+        draft = load_draft(case["head"], model) if case["head"] else None
+        tree = TreeConfig(depth=draft.default_depth if draft else 6, topk=4, total_tokens=24)
+        sampling = SamplingConfig(temperature=case.get("temperature", 0.0))
+        runs = []
+        for prompt in case["prompts"]:
+            torch.manual_seed(case.get("seed", 0))
+            result = generate(model, prompt, case["max_new_tokens"], sampling, draft=draft, tree=tree)
+            runs.append({"tokens": result.tokens, "accept_lengths": result.accept_lengths})
+        results.append(runs)
+    return results
+
+
+if __name__ == "__main__":
+    group = tp.start("cpu")
+    results = run_cases(json.loads(Path(sys.argv[1]).read_text()), group)
+    if tp.torchrun_rank() == 0:
+        Path(sys.argv[2]).write_text(json.dumps(results))
+    tp.finish(group)
