@@ -6,6 +6,7 @@ phase, an evaluation over FastChat question files, and transformers' own generat
         --eval ../shared/data/prompts --hf
 
     python bench.py                                              # the demo in demo/, as generate.py runs it
+    torchrun --standalone --nproc_per_node=4 bench.py --model llama2-70b --compile   # tensor parallel (tp.py)
 
 Writes OUT.json and OUT.md (--out; default bench_out/DATE-TIME, never over an existing file unless --overwrite);
 numbers are printed, never asserted. Every derived figure names the measured inputs it comes from.
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from cli import PRECISION_NAMES, cli_parser, int_flag
+from cli import PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
 
 SIDE_PROMPT, SIDE_TOKENS = 64, 128  # the side-by-side run: random prompt tokens, tokens generated
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
@@ -29,6 +30,8 @@ SHAPES = {  # Hugging Face config fields of well-known models, for random-weight
                       num_attention_heads=32, num_key_value_heads=32),
     "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                        num_attention_heads=40, num_key_value_heads=40),
+    "llama2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -88,6 +91,8 @@ def parse_args(argv=None):
         p.error(f"--eval {args.eval} is not a folder")
     if args.eval and args.model and not args.tokenizer:
         p.error("--eval with --model needs --tokenizer (random weights come with none)")
+    if args.hf and torchrun_rank() is not None:
+        p.error("--hf runs transformers in one process: leave it out under torchrun (tensor parallel)")
     args.out = args.out or Path("bench_out") / time.strftime("%Y%m%d-%H%M%S")
     return args
 
@@ -105,6 +110,7 @@ from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConf
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
+import tp  # noqa: E402
 
 
 def random_module(module_cls, args, device, dtype, **kwargs):
@@ -120,9 +126,16 @@ def random_module(module_cls, args, device, dtype, **kwargs):
     return module.eval()
 
 
-def random_models(shape: str, device, dtype, max_seq_length: int):
+def random_models(shape: str, device, dtype, max_seq_length: int, group=None):
+    """A random target of a named shape (under tensor parallel, this rank's shard of it) and a random head."""
     config = {"model_type": "llama", "max_position_embeddings": max(8192, max_seq_length), **SHAPES[shape]}
-    target = random_module(Transformer, ModelArgs.from_hf_config(config), device, dtype)
+    args = ModelArgs.from_hf_config(config)
+    if group is None:
+        target = random_module(Transformer, args, device, dtype)
+    else:
+        tp.check_shardable(args, tp.dist.get_world_size(group), None)
+        local = tp.local_args(args, tp.dist.get_world_size(group))
+        target = tp.joined(random_module(Transformer, local, device, dtype), args, group)
     target.setup_caches(1, max_seq_length)
     draft = random_module(EagleDraft, target.args, device, dtype)  # a head of the target's own shape
     draft.setup_caches(max_seq_length)
@@ -421,6 +434,7 @@ def markdown(results: dict) -> str:
              f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
              f"Head: {setup['head']}  ", f"Draft vocabulary: {setup['draft_vocab']['text']}  ",
              f"Measured copy bandwidth: {copy:.4g} GB/s (bytes read and written per second by a large copy)", "",
+             *tensor_parallel_lines(results),
              f"| plain decoding at context {ctx} | value |", "| --- | --- |",
              f"| step | {step:.3f} ms |", f"| tokens/s = 1 / step | {plain['tokens_per_s']:.1f} |",
              f"| weights read per step | {plain['weights_GB']:.4g} GB |",
@@ -465,6 +479,21 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def launcher(group) -> str:
+    return "python " if group is None else f"torchrun --standalone --nproc_per_node={tp.dist.get_world_size(group)} "
+
+
+def tensor_parallel_lines(results: dict) -> list:
+    if "tensor_parallel" not in results:
+        return []
+    tp_ = results["tensor_parallel"]
+    return [f"Tensor parallel over {tp_['ranks']} ranks (every figure here is rank 0's): "
+            f"{tp_['weights_per_rank_GB']:.4g} GB of weights per rank per forward; collectives counted as they ran: "
+            f"{tp_['collectives_per_plain_step']} per plain step, {tp_['collectives_per_cycle']} per EAGLE-2 cycle "
+            "(an all-reduce after each layer's attention and MLP in each target forward; the draft runs whole on "
+            "every rank)", ""]
+
+
 def git_commit() -> str:
     import subprocess
     try:
@@ -507,13 +536,16 @@ def check_out(paths: tuple, overwrite: bool):
         check_writable(path, "--out")
 
 
-def load_models(args, device: str):
-    """The target and a head, with the draft vocabulary --draft_vocab asks for (as generate.py applies it)."""
+def load_models(args, device: str, paths: tuple, group=None):
+    """The target (under tensor parallel, this rank's shard) and a head, with the draft vocabulary --draft_vocab
+    asks for (as generate.py applies it); the output files checked first (by rank 0, which writes them)."""
+    if not torchrun_rank():
+        check_out(paths, args.overwrite)
     dtype = PRECISIONS[args.precision]
     if args.model:
-        target, draft = random_models(args.model, device, dtype, args.max_seq_length)
+        target, draft = random_models(args.model, device, dtype, args.max_seq_length, group)
     else:
-        target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length)
+        target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length, group)
         if args.draft_checkpoint_path:
             return target, load_draft(args.draft_checkpoint_path, target, args.draft_vocab)
         draft = random_module(EagleDraft, target.args, device, dtype)
@@ -576,14 +608,17 @@ def main(argv=None):
     args = parse_args(argv)
     args.side_tokens = args.side_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else SIDE_TOKENS)
     paths = out_files(args.out)
+    group, status = None, 0
+    if torchrun_rank():  # tensor parallel: rank 0 prints and writes for all
+        sys.stdout = open(os.devnull, "w")
     try:
         tree = TreeConfig(args.depth or DraftHead.default_depth, args.tree_topk, args.total_tokens)
         check_lengths(args, tree)  # before loading; again once the head's own depth is known
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
-        check_out(paths, args.overwrite)
-        torch.manual_seed(0)
-        target, draft = load_models(args, device)
+        group = tp.start(device)
+        torch.manual_seed(0)  # the same random weights and prompts on every rank
+        target, draft = tp.agreed(group, load_models, args, device, paths, group)
         tree = TreeConfig(args.depth or draft.default_depth, args.tree_topk, args.total_tokens)
         check_lengths(args, tree)
         if tree.topk > draft.vocab_size:
@@ -603,7 +638,7 @@ def main(argv=None):
                              "weights": weights_format(target), "draft_weights": weights_format(draft),
                              "head": head, "draft_vocab": vocab, "side_by_side_prompt": prompt_text,
                              "side_tokens": args.side_tokens,
-                             "command": "python " + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
+                             "command": launcher(group) + " ".join(sys.argv if argv is None else ["bench.py", *argv]),
                              "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                              "copy_GB_per_s": copy_bw / 1e9}}
         print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; timing plain decoding", flush=True)
@@ -623,12 +658,30 @@ def main(argv=None):
             results["eval"] = run_eval(target, draft, tree, tokenizer, load_questions(args.eval, args.questions),
                                        args.max_new_tokens, step_fns)
         results["limit"] = limits(results, copy_bw)
-        write_output(paths[0], json.dumps(results, indent=2))
-        write_output(paths[1], markdown(results))
+        if group is not None:
+            results["tensor_parallel"] = tensor_parallel(target, draft, tree, group)
+        if not torchrun_rank():
+            write_output(paths[0], json.dumps(results, indent=2))
+            write_output(paths[1], markdown(results))
+            print(markdown(results))
+            print(f"wrote {paths[0]} and {paths[1]}")
     except EagletError as e:
-        sys.exit(f"error: {e}")
-    print(markdown(results))
-    print(f"wrote {paths[0]} and {paths[1]}")
+        status = f"error: {e}" if not torchrun_rank() else 1
+    if torchrun_rank() is not None:
+        tp.finish(group, status)
+    if status:
+        sys.exit(status)
+
+
+def tensor_parallel(target, draft, tree: TreeConfig, group) -> dict:
+    """Under torchrun: ranks, the weights one rank reads per forward, and the collectives a plain step and a
+    cycle run, counted as they run (eagerly) at the benchmark's start state."""
+    root, ctx_len, h_last = start_state(target, draft)
+    with torch.no_grad():
+        step = tp.collectives(lambda: decode_one_token(target, root.view(1, 1), ctx_len.view(1), GREEDY))
+        cycle = tp.collectives(lambda: speculative_cycle(target, draft, root, ctx_len, h_last, tree, GREEDY))
+    return {"ranks": tp.dist.get_world_size(group), "weights_per_rank_GB": weight_bytes(target) / 1e9,
+            "collectives_per_plain_step": step, "collectives_per_cycle": cycle}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import torchrun_rank
 from model import EagletError, ModelArgs, Transformer, load_state_dict, pop_quantization
@@ -181,7 +182,36 @@ def load_sharded(checkpoint_path, group, device="cpu", dtype=torch.float32) -> T
     check_shardable(args, world, quantization)
     model = Transformer.from_state_dict(local_args(args, world), shard_state_dict(state_dict, args, me, world),
                                        device, dtype, str(checkpoint_path))
+    return joined(model, args, group)
+
+
+def joined(model: Transformer, args: ModelArgs, group) -> Transformer:
+    """A model built with local_args, made one rank of the whole: its config the whole model's, its row-parallel
+    Linears' outputs all-reduced over group."""
     model.args, model.tp_group = args, group
     for layer in model.layers:
         layer.attention.tp_group = layer.feed_forward.tp_group = group
     return model
+
+
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # the functional collectives' helper ops
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives the ops under it run (functional collectives, as model.all_reduce calls them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._overloadpacket.__name__ not in NOT_COLLECTIVES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def collectives(fn: Callable) -> int:
+    """How many collectives one eager call of fn runs, counted as they run."""
+    with CollectiveCounter() as counter:
+        fn()
+    return counter.count

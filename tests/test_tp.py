@@ -185,3 +185,37 @@ def test_int4_slices_must_hold_whole_groups():
     tp.check_shardable(args, 2, {"mode": "int4", "groupsize": 32})
     with pytest.raises(EagletError, match="int4 groups of 64 do not tile each rank's 96 MLP down input channels"):
         tp.check_shardable(args, 2, {"mode": "int4", "groupsize": 64})
+
+
+@pytest.mark.slow
+def test_compiled_cycle_under_torchrun_equals_one_process(tmp_path):
+    """The whole cycle as one compiled graph per rank, its all-reduces inside it (fullgraph)."""
+    import generate
+    argv = ["--max_new_tokens", "20", "--json_out"]
+    run = torchrun(2, ["generate.py", "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    generate.main(argv + [str(tmp_path / "one.json")])
+    sharded, alone = read_generation(tmp_path / "tp.json"), read_generation(tmp_path / "one.json")
+    assert sharded["tokens"] == alone["tokens"] and sharded["accept_lengths"] == alone["accept_lengths"]
+
+
+@pytest.mark.slow
+def test_bench_reports_weights_per_rank_and_collectives(tmp_path):
+    import bench
+    run = torchrun(2, ["bench.py", "--model", "tiny", "--repeats", "2", "--side_tokens", "8", "--out",
+                       str(tmp_path / "b")])
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "b.json").read_text())
+    shape = bench.SHAPES["tiny"]
+    dim, heads, kv, inter, layers = (shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                          "intermediate_size", "num_hidden_layers"))
+    head_dim = dim // heads
+    per_layer = dim * (heads + 2 * kv) * head_dim + heads * head_dim * dim + 3 * dim * inter  # the sharded Linears
+    replicated = dim + 2 * layers * dim + dim + shape["vocab_size"] * dim  # an embedding row, norms, lm_head
+    per_rank = (replicated + layers * per_layer / 2) * 4  # fp32 bytes
+    assert results["tensor_parallel"]["weights_per_rank_GB"] * 1e9 == pytest.approx(per_rank)
+    assert results["plain"]["weights_GB"] * 1e9 == pytest.approx(per_rank)  # every figure is rank 0's
+    assert results["tensor_parallel"]["collectives_per_plain_step"] == 2 * layers
+    assert results["tensor_parallel"]["collectives_per_cycle"] == 2 * layers
+    assert results["setup"]["command"].startswith("torchrun --standalone --nproc_per_node=2 bench.py")
+    assert "Tensor parallel over 2 ranks" in (tmp_path / "b.md").read_text()
