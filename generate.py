@@ -271,13 +271,14 @@ def time_forward(target: Transformer, n_tokens: int, repeats: int = 5) -> float:
     pos = torch.arange(n_tokens, device=device)
     tokens, mask = torch.zeros(1, n_tokens, dtype=torch.long, device=device), causal_mask(pos, target.max_seq_length)
     with torch.no_grad():
-        return seconds_per_call(partial(target, tokens, pos, pos, mask), device, repeats)
+        # A tensor parallel target is timed eagerly: its all-reduces are not captured outside torch.compile.
+        return seconds_per_call(partial(target, tokens, pos, pos, mask), device, repeats, target.tp_group is None)
 
 
-def seconds_per_call(run: Callable, device, repeats: int) -> float:
+def seconds_per_call(run: Callable, device, repeats: int, graph: bool = True) -> float:
     """run() timed as the compiled cycle runs its graphs: on CUDA captured once as a CUDA graph and replayed
     (timed eagerly, kernel launches would dominate and hide what the kernels cost)."""
-    if str(device).startswith("cuda"):
+    if str(device).startswith("cuda") and graph:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
