@@ -139,7 +139,11 @@ def test_checkpoint_missing_on_one_rank_stops_every_rank(tmp_path):
     procs = [subprocess.Popen([sys.executable, "generate.py", "--checkpoint_path", str(paths[r]), "--no_draft"],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outputs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outputs = [p.communicate(timeout=60) for p in procs]
+    finally:  # a rank left waiting for the other is a failure, not a hung test run
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [1, 1]
     assert outputs[1] == ("", "")
     assert outputs[0][1].strip().splitlines() == [f"error: rank 1: checkpoint not found: {paths[1]}"]
