@@ -536,10 +536,10 @@ def check_out(paths: tuple, overwrite: bool):
         check_writable(path, "--out")
 
 
-def load_models(args, device: str, paths: tuple, group=None):
+def load_models(args, device: str, group=None, paths: tuple = ()):
     """The target (under tensor parallel, this rank's shard) and a head, with the draft vocabulary --draft_vocab
-    asks for (as generate.py applies it); the output files checked first (by rank 0, which writes them)."""
-    if not torchrun_rank():
+    asks for (as generate.py applies it); the output files (paths) checked first, by rank 0, which writes them."""
+    if paths and not torchrun_rank():
         check_out(paths, args.overwrite)
     dtype = PRECISIONS[args.precision]
     if args.model:
@@ -618,7 +618,7 @@ def main(argv=None):
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         group = tp.start(device)
         torch.manual_seed(0)  # the same random weights and prompts on every rank
-        target, draft = tp.agreed(group, load_models, args, device, paths, group)
+        target, draft = tp.agreed(group, load_models, args, device, group, paths)
         tree = TreeConfig(args.depth or draft.default_depth, args.tree_topk, args.total_tokens)
         check_lengths(args, tree)
         if tree.topk > draft.vocab_size:
