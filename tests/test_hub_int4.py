@@ -237,12 +237,14 @@ REAL = [("awq", "llama31", 32, 1), ("gptq", "qwen2", 32, 2), ("gptq_v2", "llama3
 @pytest.mark.parametrize("fmt,kind,groupsize,shards", REAL, ids=[r[0] for r in REAL])
 def test_converted_weights_follow_the_formats_formula(checkpoints, tmp_path, fmt, kind, groupsize, shards):
     """Weights quantized as the writers do, scales in fp16 (in bf16 for compressed-tensors, to cover both):
-    ours are (q - 8) * bf16(s) + bf16((8 - z) * s) exactly, so the integers and groups
-    carried over; the printed figure is the largest change; logits follow transformers on (q - z) * s."""
+    ours are (q - 8) * bf16(s) + bf16((8 - z) * s) exactly, so the integers and groups carried over; the
+    printed figure is the largest change; logits follow transformers on (q - z) * s."""
     src, _ = checkpoints(kind)
     scale_dtype = torch.bfloat16 if fmt.startswith("ct") else torch.float16
-    grids = write_hub(tmp_path / fmt, src, fmt, groupsize, lambda w: round_to_grid(w, groupsize, SYMMETRIC[fmt],
-                                                                                    scale_dtype), shards)
+
+    def values(w):
+        return round_to_grid(w, groupsize, SYMMETRIC[fmt], scale_dtype)
+    grids = write_hub(tmp_path / fmt, src, fmt, groupsize, values, shards)
     path, log = converted(tmp_path / fmt)
     assert path.name == f"model_int4.g{groupsize}.pth" and log.count("converting ") == 2  # a line per layer
     stored = torch.load(path, weights_only=True)
