@@ -171,15 +171,27 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, cache_slots: Tensor, k: Tensor, v: Tensor):
+        """k, v [B, H, T, D] to cache_slots: [T], the same slots in every row, or [B, T], each row its own."""
         bsz = k.shape[0]
-        self.k_cache[:bsz].index_copy_(2, cache_slots, k)
-        self.v_cache[:bsz].index_copy_(2, cache_slots, v)
+        if cache_slots.ndim == 1:
+            self.k_cache[:bsz].index_copy_(2, cache_slots, k)
+            self.v_cache[:bsz].index_copy_(2, cache_slots, v)
+        else:
+            rows = torch.arange(bsz, device=k.device)[:, None]
+            self.k_cache[rows, :, cache_slots] = k.transpose(1, 2)  # indexed [B, T, H, D]
+            self.v_cache[rows, :, cache_slots] = v.transpose(1, 2)
         return self.k_cache[:bsz], self.v_cache[:bsz]
 
     def compact(self, src_slots: Tensor, dst_slots: Tensor):
-        # index_select copies first, so overlapping source and destination ranges are safe.
-        self.k_cache.index_copy_(2, dst_slots, self.k_cache.index_select(2, src_slots))
-        self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))
+        """K/V moved from src_slots to dst_slots: [n] in every row, or [B, n] per row. The source is read whole
+        before anything is written, so overlapping ranges are safe."""
+        if src_slots.ndim == 1:
+            self.k_cache.index_copy_(2, dst_slots, self.k_cache.index_select(2, src_slots))
+            self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))
+        else:
+            rows = torch.arange(src_slots.shape[0], device=src_slots.device)[:, None]
+            self.k_cache[rows, :, dst_slots] = self.k_cache[rows, :, src_slots]
+            self.v_cache[rows, :, dst_slots] = self.v_cache[rows, :, src_slots]
 
 
 QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
@@ -394,8 +406,12 @@ def sdpa_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict:
     bsz, n_head, seqlen, head_dim = q.shape
     n_kv = k.shape[1]
     rep = n_head // n_kv
+    if mask.ndim == 3:  # [B, T, L]: each row its own mask, broadcast over the heads
+        mask = mask.repeat(1, rep, 1)[:, None]
+    elif rep > 1:
+        mask = mask.repeat(rep, 1)
     return dict(query=q.reshape(bsz, n_kv, rep * seqlen, head_dim), key=k[:, :, :mask.shape[-1]],
-                value=v[:, :, :mask.shape[-1]], attn_mask=mask.repeat(rep, 1) if rep > 1 else mask)
+                value=v[:, :, :mask.shape[-1]], attn_mask=mask)
 
 
 KV_BLOCK = 128  # cache slots per block of a BlockMask; blocks with no visible slot are skipped
@@ -447,7 +463,7 @@ def decode_mask(input_pos: Tensor, n_kv: int):
     step reads only the filled cache blocks; elsewhere the boolean row. (Eager flex_attention is a slow
     reference, and CPU inductor's flex kernel cannot lower a mask computed inside the graph.) Calls of more
     than one token (prefill, verify, the draft's) attend through the boolean mask."""
-    if FLEX_ATTENTION and torch.compiler.is_compiling() and input_pos.is_cuda:
+    if FLEX_ATTENTION and torch.compiler.is_compiling() and input_pos.is_cuda and input_pos.ndim == 1:
         return decode_block_mask(input_pos, n_kv)
     return causal_mask(input_pos, n_kv)
 
@@ -490,7 +506,9 @@ class RotaryTable(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, input_pos: Tensor, dtype):
-        return self.cos[input_pos].to(dtype), self.sin[input_pos].to(dtype)
+        """input_pos [T] (every row at the same positions) or [B, T]; cos and sin broadcast over the heads."""
+        cos, sin = self.cos[input_pos].to(dtype), self.sin[input_pos].to(dtype)
+        return (cos, sin) if input_pos.ndim == 1 else (cos[:, None], sin[:, None])
 
 
 class Transformer(nn.Module):
@@ -549,7 +567,8 @@ class Transformer(nn.Module):
                 logits_idx: Optional[Tensor] = None):
         """idx [B, T]; input_pos and cache_slots [T]; mask [T, L] (True = may attend) over the first L cache
         slots: L = max_seq_length in compiled code (fixed shapes), what is filled in an eager prefill; or, for
-        compiled CUDA decoding, decode_mask's BlockMask.
+        compiled CUDA decoding, decode_mask's BlockMask. Rows at different places (a batch of prompts):
+        input_pos and cache_slots [B, T], mask [B, T, L], logits_idx [B, k].
 
         Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
@@ -562,7 +581,10 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache_slots, mask)
         layer_inputs[len(self.layers)] = x
         hidden = self.norm(x)
-        selected = hidden if logits_idx is None else hidden[:, logits_idx]
+        if logits_idx is None or logits_idx.ndim == 1:  # [k]: the same positions in every row
+            selected = hidden if logits_idx is None else hidden[:, logits_idx]
+        else:  # [B, k]: each row its own positions
+            selected = hidden.gather(1, logits_idx[..., None].expand(-1, -1, hidden.shape[-1]))
         if not self.feature_layers:
             return self.output(selected), hidden
         return self.output(selected), torch.cat([layer_inputs[i] for i in self.feature_layers], dim=-1)
@@ -641,15 +663,23 @@ def attention_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tenso
 
     Every token sees the context (slots < ctx_len); among the block's own slots ctx_len..ctx_len+W-1 it
     sees what `block` [T, W] allows: lower-triangular for prefill, ancestors-and-self for a tree.
+    Several rows (a batch): ctx_len [B] and block [B, T, W] give [B, T, max_seq_length].
     """
     cols = torch.arange(max_seq_length, device=block.device)
+    if ctx_len.ndim == 1:
+        rel = cols - ctx_len[:, None]  # [B, L]
+        in_block = (rel >= 0) & (rel < block.shape[-1])
+        index = rel.clamp(0, block.shape[-1] - 1)[:, None].expand(-1, block.shape[-2], -1)
+        seen = block.expand(len(ctx_len), -1, -1).gather(2, index) & in_block[:, None]
+        return (cols < ctx_len[:, None])[:, None] | seen
     rel = cols - ctx_len
     in_block = (rel >= 0) & (rel < block.shape[1])
     return (cols < ctx_len) | (block.index_select(1, rel.clamp(0, block.shape[1] - 1)) & in_block)
 
 
 def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:
-    """Tokens at consecutive positions input_pos, written at slots equal to their positions."""
-    n = input_pos.shape[0]
-    return attention_mask(input_pos[0], torch.ones(n, n, dtype=torch.bool, device=input_pos.device).tril(),
+    """Tokens at consecutive positions input_pos [T] (or [B, T], each row from its own start), written at slots
+    equal to their positions."""
+    n = input_pos.shape[-1]
+    return attention_mask(input_pos[..., 0], torch.ones(n, n, dtype=torch.bool, device=input_pos.device).tril(),
                           max_seq_length)
