@@ -49,11 +49,11 @@ class DraftHead(nn.Module):
         self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
                                 max_seq_length, self.layer.ffn_norm.weight.device)
 
-    def setup_caches(self, max_seq_length: int):
+    def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
         weight = self.layer.ffn_norm.weight  # float in every format (fc may be int8): the activations' dtype
         self.max_seq_length = max_seq_length
-        self.layer.attention.kv_cache = KVCache(1, max_seq_length, self.args.n_local_heads, self.args.head_dim,
-                                                weight.dtype).to(weight.device)
+        self.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_local_heads,
+                                                self.args.head_dim, weight.dtype).to(weight.device)
         self.setup_rope(max_seq_length)
 
     def topk(self, target: Transformer, h: Tensor, k: int):
@@ -75,7 +75,10 @@ class EagleDraft(DraftHead):
         return self.layer(x, cos, sin, cache_slots, mask)
 
     def step(self, target: Transformer, tokens, inputs, input_pos, slots, mask) -> Tensor:
-        return self(target.tok_embeddings(tokens)[None], inputs[None], input_pos, slots, mask)[0]
+        """tokens [T] and inputs [T, dim] (one row), or [B, T] and [B, T, dim] (a batch) -> outputs like inputs."""
+        if tokens.ndim == 1:
+            return self.step(target, tokens[None], inputs[None], input_pos, slots, mask)[0]
+        return self(target.tok_embeddings(tokens), inputs, input_pos, slots, mask)
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
         return self.lm_head_module(target)(h)
@@ -140,11 +143,14 @@ class Eagle3Draft(DraftHead):
         self.embed = nn.Embedding(args.vocab_size, args.dim) if own_embedding else None
 
     def step(self, target: Transformer, tokens, inputs, input_pos, slots, mask) -> Tensor:
-        """inputs: target features (3 x target dim, fused by fc) or the head's own earlier outputs (used as is)."""
+        """inputs: target features (3 x target dim, fused by fc) or the head's own earlier outputs (used as is);
+        tokens [T] (one row) or [B, T] (a batch)."""
+        if tokens.ndim == 1:
+            return self.step(target, tokens[None], inputs[None], input_pos, slots, mask)[0]
         embeds = (self.embed or target.tok_embeddings)(tokens)
         x = inputs if inputs.shape[-1] == self.args.dim else self.fuse(inputs)
         cos, sin = self.rope(input_pos, x.dtype)
-        h = self.layer(embeds[None], x[None], cos, sin, slots, mask)[0]
+        h = self.layer(embeds, x, cos, sin, slots, mask)
         return self.norm(h) if self.flags.norm_output else h
 
     def fuse(self, features: Tensor) -> Tensor:
@@ -372,12 +378,18 @@ def read_draft_vocab(path, vocab_size: int) -> Tensor:
 
 @dataclass
 class DraftTree:
-    """total_tokens tree nodes, the root (the last emitted token) first, parents before children."""
+    """total_tokens tree nodes, the root (the last emitted token) first, parents before children. A batch of
+    trees (one per row) has a leading [B] on every field."""
     tokens: Tensor  # [N] int64
     parents: Tensor  # [N] tree index of the parent; the root points to itself
     depths: Tensor  # [N] 0 for the root
     ancestors: Tensor  # [N, N] bool: ancestors[i, j] = j is i or an ancestor of i
     draft_logp: Tensor  # [N] the draft's log-probability of each node given its parent (0 for the root)
+
+
+def take(x: Tensor, index: Tensor) -> Tensor:
+    """x[..., index, :] row by row: x [..., n, d], index [..., m] -> [..., m, d] (a batch's own indices per row)."""
+    return x.gather(-2, index[..., None].expand(*index.shape, x.shape[-1]))
 
 
 def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, topk: int, depth: int,
@@ -388,58 +400,64 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
 
     step(tokens [k], features [k, dim], input_pos [k], slots [k], mask [k, S]) -> draft outputs [k, dim];
     topk_fn(h [..., dim], k) -> the k best draft log-probabilities and their token ids [..., k]. Level i of the frontier sits at position
-    ctx_len + i and is written to draft slots ctx_len + i * topk + j.
+    ctx_len + i and is written to draft slots ctx_len + i * topk + j. A batch: h_last [B, dim], root and
+    ctx_len [B], every shape above with a leading [B], one tree per row (each at its own ctx_len).
     """
     device = h_last.device
-    scores, tokens = topk_fn(h_last, topk)
-    features = h_last.expand(topk, -1)
-    frontier = torch.arange(topk, device=device)  # pool indices of the frontier
+    scores, tokens = topk_fn(h_last, topk)  # [..., k]
+    features = h_last[..., None, :].expand(*tokens.shape, -1)
+    frontier = torch.arange(topk, device=device).expand_as(tokens)  # pool indices of the frontier
     width = depth * topk  # draft scratch slots
-    anc = torch.zeros(topk, width, dtype=torch.bool, device=device)  # frontier's ancestors-and-self slots
+    anc = torch.zeros(*tokens.shape, width, dtype=torch.bool, device=device)  # frontier's ancestors-and-self slots
     pool_tokens, pool_scores, pool_logp = [tokens], [scores], [scores]
-    pool_parents = [torch.full((topk,), -1, device=device)]
+    pool_parents = [torch.full_like(tokens, -1)]
+    start = ctx_len[..., None]  # [1] for one row, [B, 1] for a batch
     for i in range(depth):
         slots = torch.arange(i * topk, (i + 1) * topk, device=device)
-        anc[:, slots] |= torch.eye(topk, dtype=torch.bool, device=device)
-        h = step(tokens, features, (ctx_len + i).expand(topk), ctx_len + slots,
+        anc[..., slots] |= torch.eye(topk, dtype=torch.bool, device=device)
+        h = step(tokens, features, (start + i).expand_as(tokens), start + slots,
                  attention_mask(ctx_len, anc, max_seq_length))
-        child_logp, child_tokens = topk_fn(h, topk)  # [k, k]
-        child_scores = (scores[:, None] + child_logp).flatten()
+        child_logp, child_tokens = topk_fn(h, topk)  # [..., k, k]
+        child_scores = (scores[..., None] + child_logp).flatten(-2)
         base = topk + i * topk * topk
-        pool_tokens.append(child_tokens.flatten())
+        pool_tokens.append(child_tokens.flatten(-2))
         pool_scores.append(child_scores)
-        pool_logp.append(child_logp.flatten())
-        pool_parents.append(frontier.repeat_interleave(topk))
+        pool_logp.append(child_logp.flatten(-2))
+        pool_parents.append(frontier.repeat_interleave(topk, dim=-1))
         scores, best = child_scores.topk(topk)
         parent = best // topk
-        tokens, features, anc = child_tokens.flatten()[best], h[parent], anc[parent]
+        tokens, features, anc = child_tokens.flatten(-2).gather(-1, best), take(h, parent), take(anc, parent)
         frontier = base + best
-    pool_scores = torch.cat(pool_scores)
-    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens), torch.cat(pool_logp),
-                       torch.cat(pool_parents), root, depth + 1)
+    pool_scores = torch.cat(pool_scores, dim=-1)
+    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
+                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
 
 
 def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:
-    """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order.
+    """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order
+    (per row of a batch).
 
     The pool is in level order, so parents come before children; a child never scores above its parent,
     and a stable sort breaks ties by pool order, so the kept set is a tree (every parent kept too)."""
-    return torch.sort(pool_scores, descending=True, stable=True).indices[:total_tokens - 1].sort().values
+    order = torch.sort(pool_scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :total_tokens - 1].sort(dim=-1).values
 
 
 def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels: int) -> DraftTree:
     """The kept pool nodes as a DraftTree, the root in front and parents before children. pool_parents holds
     pool indices (-1 for the first level: the root); levels bounds the depth below the root."""
     device = pool_tokens.device
-    n = kept.shape[0] + 1
-    tree_index = torch.zeros(pool_tokens.shape[0] + 1, dtype=torch.long, device=device)  # pool -> tree index
-    tree_index[kept] = torch.arange(1, n, device=device)
-    parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree_index[pool_parents[kept]]])
-    # pool_parents is -1 at level 0, which reads tree_index[-1] = 0: the root.
-    ancestors = torch.eye(n, dtype=torch.bool, device=device)
+    n, pool = kept.shape[-1] + 1, pool_tokens.shape[-1]
+    tree_index = torch.zeros(*kept.shape[:-1], pool + 1, dtype=torch.long, device=device)  # pool -> tree index
+    tree_index.scatter_(-1, kept, torch.arange(1, n, device=device).expand_as(kept))
+    # pool_parents is -1 at level 0, read as the extra last entry, which stays 0: the root.
+    parent_pool = pool_parents.gather(-1, kept) % (pool + 1)
+    first = torch.zeros(*kept.shape[:-1], 1, dtype=torch.long, device=device)
+    parents = torch.cat([first, tree_index.gather(-1, parent_pool)], dim=-1)
+    ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(*kept.shape[:-1], n, n)
     for _ in range(levels):  # each pass adds one more generation of ancestors
-        ancestors = ancestors | ancestors[parents]
-    depths = ancestors.sum(dim=1) - 1
-    tokens = torch.cat([root.view(1), pool_tokens[kept]])
-    draft_logp = torch.cat([torch.zeros(1, device=device), pool_logp[kept].float()])
+        ancestors = ancestors | take(ancestors, parents)
+    depths = ancestors.sum(dim=-1) - 1
+    tokens = torch.cat([root[..., None], pool_tokens.gather(-1, kept)], dim=-1)
+    draft_logp = torch.cat([first.float(), pool_logp.gather(-1, kept).float()], dim=-1)
     return DraftTree(tokens, parents, depths, ancestors, draft_logp)

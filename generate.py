@@ -116,7 +116,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from draft import (DraftHead, DraftTree, EagleDraft, build_tree, head_config, load_head,  # noqa: E402
-                   read_draft_vocab)
+                   read_draft_vocab, take)
 from model import (EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask,  # noqa: E402
                    decode_mask, read_config)
 from tokenizer import Tokenizer  # noqa: E402
@@ -322,26 +322,31 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     rejection, bonus from what is left): with deterministic drafts that rule accepts child x with
     probability exactly p(x), and otherwise yields a draw from p restricted to the non-children -- the
     same as one draw x ~ p, taken as the accepted child if it is one and as the bonus if not.
-    Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus).
+    Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus);
+    a batch of trees: the same per row, with a leading [B].
     """
     pick = sample(logits, sampling)  # [N]
-    correct = tree.tokens == pick[tree.parents]
-    correct[0] = True
-    accepted = (tree.ancestors & ~correct[None]).sum(dim=1) == 0  # the node and all its ancestors correct
+    correct = tree.tokens == pick.gather(-1, tree.parents)
+    correct[..., 0] = True
+    accepted = (tree.ancestors & ~correct[..., None, :]).sum(dim=-1) == 0  # the node and all its ancestors correct
     # Siblings differ, so the accepted nodes form one chain; take its end. (Indices stay 1-element
     # tensors: indexing with a 0-d tensor would read it back to the host.)
-    best = torch.where(accepted, tree.depths, -1).argmax().view(1)
-    at_depth = tree.ancestors[best] & (tree.depths[None] == torch.arange(levels, device=pick.device)[:, None])
-    path = at_depth.int().argmax(dim=1)
-    return path, tree.depths[best][0], pick[best][0]
+    best = torch.where(accepted, tree.depths, -1).argmax(dim=-1, keepdim=True)
+    depth_of_row = torch.arange(levels, device=pick.device)[:, None]  # [levels, 1]
+    at_depth = tree.ancestors.gather(-2, best[..., None].expand(*best.shape, tree.tokens.shape[-1])) & \
+        (tree.depths[..., None, :] == depth_of_row)
+    path = at_depth.int().argmax(dim=-1)
+    return path, tree.depths.gather(-1, best)[..., 0], pick.gather(-1, best)[..., 0]
 
 
 def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
-    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context."""
-    slots = ctx_len + torch.arange(tree.tokens.shape[0], device=ctx_len.device)
-    logits, features = target(tree.tokens[None], ctx_len + tree.depths, slots,
+    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context (per row: a batch
+    of trees, each after its own row's context)."""
+    n = tree.tokens.shape[-1]
+    start = ctx_len[..., None]
+    logits, features = target(tree.tokens.view(-1, n), start + tree.depths, start + torch.arange(n, device=ctx_len.device),
                               attention_mask(ctx_len, tree.ancestors, target.max_seq_length))
-    return logits[0], features[0]
+    return logits.view(*tree.tokens.shape, -1), features.view(*tree.tokens.shape, -1)
 
 
 def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling: SamplingConfig,
@@ -350,8 +355,9 @@ def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor
     Returns the emitted tokens (padded to levels), accepted drafts, the bonus token and the path."""
     path, n_accepted, bonus = accept(tree, logits, sampling, levels)
     steps = torch.arange(levels, device=ctx_len.device)
-    emitted = torch.where(steps == n_accepted, bonus, tree.tokens[path.roll(-1)])
-    target.compact_kv(ctx_len + path, ctx_len + steps)
+    emitted = torch.where(steps == n_accepted[..., None], bonus[..., None], tree.tokens.gather(-1, path.roll(-1, -1)))
+    start = ctx_len[..., None]
+    target.compact_kv(start + path, start + steps)
     return emitted, n_accepted, bonus, path
 
 
@@ -359,9 +365,9 @@ def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: T
              n_accepted: Tensor) -> Tensor:
     """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
     fixed count; returns its output for the last real pair."""
-    pos = ctx_len + torch.arange(emitted.shape[0], device=ctx_len.device)
+    pos = ctx_len[..., None] + torch.arange(emitted.shape[-1], device=ctx_len.device)
     h = draft.step(target, emitted, features, pos, pos, causal_mask(pos, draft.max_seq_length))
-    return h.index_select(0, n_accepted.view(1))[0]
+    return take(h, n_accepted[..., None])[..., 0, :]
 
 
 def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_len: Tensor, h_last: Tensor,
@@ -376,7 +382,7 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     tree = tree_config.expand(target, draft, root, ctx_len, h_last)
     logits, features = verify(target, tree, ctx_len)
     emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.levels)
-    h_last = catch_up(target, draft, emitted, features[path], ctx_len, n_accepted)
+    h_last = catch_up(target, draft, emitted, take(features, path), ctx_len, n_accepted)
     return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h_last
 
 
