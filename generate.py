@@ -410,19 +410,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
     token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
     tokens, accept_lengths = [], []
-
-    def emit(new: list) -> bool:  # keep new tokens up to EOS or max_new_tokens; True when done
-        start = len(tokens)
-        for t in new:
-            tokens.append(t)
-            if t in eos_ids or len(tokens) == max_new_tokens:
-                break
-        keep = on_tokens(tokens[start:]) if on_tokens else None
-        if keep is not None:
-            del tokens[start + keep:]
-            return True
-        return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
-
+    emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
     done = emit([token.item()])
     ctx_len = torch.tensor(len(prompt_tokens), device=device)
     if draft is not None:
@@ -450,6 +438,91 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     seconds = time.perf_counter() - t0
     tp.check_in_step(model.tp_group, tokens)
     return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths)
+
+
+def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: Optional[Callable] = None) -> bool:
+    """Append new to tokens up to EOS or max_new_tokens (on_tokens may keep fewer: a stop string); True when
+    the generation is done."""
+    start = len(tokens)
+    for t in new:
+        tokens.append(t)
+        if t in eos_ids or len(tokens) == max_new_tokens:
+            break
+    keep = on_tokens(tokens[start:]) if on_tokens else None
+    if keep is not None:
+        del tokens[start + keep:]
+        return True
+    return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampling: SamplingConfig,
+                   eos_ids=(), on_tokens: Optional[Callable] = None, draft: Optional[DraftHead] = None,
+                   tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None) -> list:
+    """Several prompts decoded together, one GenerationResult each; greedy, every row gets the tokens and
+    accepted lengths generate() gives it alone. The caches must hold len(prompts) rows (setup_caches).
+
+    The prompts are prefilled together, padded after their ends: a row's K/V past its prompt is never seen
+    (its masks stop at its own context) and is overwritten as it goes on. Then one step or one cycle serves
+    every row, each at its own context. A row that is done (EOS, max_new_tokens, or on_tokens(row, new)
+    keeping fewer tokens) stays where it is, its outputs ignored, while the others go on: the shapes never
+    change. A result's seconds run until its own row was done.
+    """
+    prompts = [one_prompt(p) for p in prompts]
+    tree = tree or TreeConfig()
+    for prompt in prompts:
+        check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)
+    check_rows(model, draft, len(prompts))
+    device = model.output.weight.device
+    device_sync(device)
+    t0 = time.perf_counter()
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
+    pos = torch.arange(padded.shape[1], device=device)
+    logits, features = model(padded, pos, pos, causal_mask(pos, padded.shape[1]), logits_idx=(lengths - 1)[:, None])
+    token = sample(logits[:, 0], sampling)  # [B]
+    rows = [[] for _ in prompts]
+    accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
+    emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                     on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
+    new, ctx_len = [[t] for t in token.tolist()], lengths.clone()
+    if draft is not None:
+        step_fn = step_fn or speculative_cycle
+        # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
+        pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
+        h_last = catch_up(model, draft, pairs, features, torch.zeros_like(lengths), lengths - 1)
+    done = [False] * len(prompts)
+    while True:
+        for b in range(len(prompts)):
+            if not done[b]:
+                n_before = len(rows[b])
+                done[b] = emits[b](new[b])
+                if draft is not None and n_before:  # the cycles' counts; the prefill's token is not one
+                    accept_lengths[b].append(len(rows[b]) - n_before)
+                seconds[b] = time.perf_counter() - t0 if done[b] else 0.0
+        if all(done):
+            break
+        live = torch.tensor([not d for d in done], device=device)
+        if draft is None:
+            token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
+            ctx_len = torch.where(live, ctx_len + 1, ctx_len)
+            new = [[t] for t in token.tolist()]
+        else:
+            emitted, n_accepted, token, next_ctx, h_last = [
+                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
+            ctx_len = torch.where(live, next_ctx, ctx_len)  # a finished row stays within its cache
+            out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
+            new = [o[1:o[0] + 2] for o in out]
+    return [GenerationResult(list(p), r, s, a) for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
+
+
+def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):
+    """The caches hold at least n_rows rows."""
+    caches = [model.layers[0].attention.kv_cache] + ([draft.layer.attention.kv_cache] if draft is not None else [])
+    held = min(c.k_cache.shape[0] for c in caches if c is not None) if all(caches) else 0
+    if n_rows > held:
+        raise EagletError(f"{n_rows} prompts at once need caches of {n_rows} rows; they hold {held} "
+                          "(setup_caches(max_batch_size=...))")
 
 
 def one_prompt(prompt_tokens) -> list:

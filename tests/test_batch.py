@@ -3,7 +3,8 @@ positions, slots, masks and compaction) computes for each row what it computes f
 import pytest
 import torch
 
-from generate import load_target
+from conftest import ROOT
+from generate import SamplingConfig, load_target
 from model import attention_mask, causal_mask
 
 LENGTHS = (5, 9, 3)
@@ -67,3 +68,63 @@ def test_batched_mask_builder_equals_one_row_at_a_time():
         assert torch.equal(batched[b], attention_mask(ctx[b], blocks[b], 20))
     shared = torch.ones(6, 6, dtype=torch.bool).tril()
     assert torch.equal(attention_mask(ctx, shared, 20)[2], attention_mask(ctx[2], shared, 20))
+
+
+DEMO = ROOT / "demo"
+CODE = ["def read_lines(path):\n", "import os\n\n\ndef main():\n    args = ", "class Stack:\n    def __init__(self",
+        "x = 1\n"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from generate import load_draft
+    from tokenizer import Tokenizer
+    target = load_target(DEMO / "target", "cpu", "fp32")
+    heads = {"plain": None, "eagle2": load_draft(DEMO / "head", target), "eagle3": load_draft(DEMO / "head3", target)}
+    target.set_feature_layers(())  # load_draft set the last head's; each run sets its own again
+    return target, heads, [Tokenizer(DEMO / "target").encode(p) for p in CODE]
+
+
+def run_alone_and_batched(target, draft, prompts, max_new_tokens, eos_ids, step_fn=None):
+    from generate import TreeConfig, generate, generate_batch
+    target.set_feature_layers(draft.feature_layers if draft is not None else ())
+    tree = TreeConfig(depth=draft.default_depth if draft else 6, topk=4, total_tokens=24)
+    greedy = SamplingConfig()
+    alone = []
+    for p in prompts:
+        target.setup_caches(1, 160)
+        if draft is not None:
+            draft.setup_caches(160)
+        alone.append(generate(target, p, max_new_tokens, greedy, eos_ids, draft=draft, tree=tree))
+    target.setup_caches(len(prompts), 160)
+    if draft is not None:
+        draft.setup_caches(160, len(prompts))
+    batched = generate_batch(target, prompts, max_new_tokens, greedy, eos_ids, draft=draft, tree=tree,
+                             step_fn=step_fn)
+    return alone, batched
+
+
+@pytest.mark.parametrize("head", ["plain", "eagle2", "eagle3"])
+def test_every_row_of_a_batch_equals_that_prompt_alone(demo, head):
+    """Prompts of different lengths; an EOS that ends some rows early while the others go on."""
+    target, heads, prompts = demo
+    first, _ = run_alone_and_batched(target, None, prompts[:1], 12, ())
+    eos = {first[0].tokens[9]}  # a token row 0 emits 10th: it ends there, the others whenever they meet it
+    alone, batched = run_alone_and_batched(target, heads[head], prompts, 40, eos)
+    for a, b in zip(alone, batched):
+        assert b.tokens == a.tokens and b.accept_lengths == a.accept_lengths
+    lengths = sorted(len(r.tokens) for r in alone)
+    assert lengths[0] <= 10 < lengths[-1]  # rows really finished at different times
+    if head != "plain":
+        emitted = [n for r in batched for n in r.accept_lengths]
+        assert sum(emitted) / len(emitted) > 2  # deep trees accepted: the batched cycle really ran
+
+
+def test_too_few_cache_rows_are_named(demo):
+    from generate import generate_batch
+    from model import EagletError
+    target, _, prompts = demo
+    target.set_feature_layers(())
+    target.setup_caches(2, 160)
+    with pytest.raises(EagletError, match="3 prompts at once need caches of 3 rows; they hold 2"):
+        generate_batch(target, prompts[:3], 8, SamplingConfig())
