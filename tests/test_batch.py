@@ -128,3 +128,20 @@ def test_too_few_cache_rows_are_named(demo):
     target.setup_caches(2, 160)
     with pytest.raises(EagletError, match="3 prompts at once need caches of 3 rows; they hold 2"):
         generate_batch(target, prompts[:3], 8, SamplingConfig())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["plain", "eagle2"])
+def test_compiled_batch_equals_eager_in_one_graph(demo, head):
+    import generate
+    from torch._dynamo.utils import counters
+    target, heads, prompts = demo
+    torch._dynamo.reset()
+    counters.clear()
+    fn = generate.speculative_cycle if head != "plain" else generate.decode_one_token
+    step = generate.compile_step(fn, "cpu")
+    _, eager = run_alone_and_batched(target, heads[head], prompts[:3], 30, ())
+    _, compiled = run_alone_and_batched(target, heads[head], prompts[:3], 30, (), step_fn=step)
+    assert [r.tokens for r in compiled] == [r.tokens for r in eager]
+    assert [r.accept_lengths for r in compiled] == [r.accept_lengths for r in eager]
+    assert counters["stats"]["unique_graphs"] == 1

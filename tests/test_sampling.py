@@ -135,3 +135,24 @@ def test_wrong_acceptance_rules_are_caught(pair, monkeypatch, wrong_rule):
     monkeypatch.setattr(generate, "accept", wrong_rule)
     counts = speculative_samples(model, draft, sampling)
     assert chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
+def test_batched_rows_sample_the_target_distribution(pair):
+    """generate_batch: rows 0 and 2 hold PROMPT, row 1 a longer prompt (so the others are padded and sit
+    elsewhere in their caches); the first two rows' draws pooled follow the target's distribution."""
+    target_dir, model, draft = pair
+    sampling = SamplingConfig(temperature=1.0)
+    model.setup_caches(3, 64)
+    draft.setup_caches(64, 3)
+    counts = Counter()
+    try:
+        for i in range(STAT_SAMPLES // 2):
+            torch.manual_seed(i)
+            rows = generate.generate_batch(model, [PROMPT, [1, 2, 3, 4, 5, 6, 7], PROMPT], N_TOKENS, sampling,
+                                           draft=draft, tree=TREE)
+            counts[tuple(rows[0].tokens)] += 1
+            counts[tuple(rows[2].tokens)] += 1
+    finally:
+        model.setup_caches(1, 64)
+        draft.setup_caches(64)
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
