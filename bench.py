@@ -254,7 +254,7 @@ def bench_plain(target, compile_, copy_bw, repeats) -> dict:
 def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
     """Bytes a cycle must read at least: the target once, the draft layer + lm_head depth + 1 times, the KV."""
     args, elt = target.args, target.tok_embeddings.weight.element_size()  # the KV cache's dtype
-    kv = 2 * args.n_layer * args.n_local_heads * args.head_dim * elt * ctx
+    kv = 2 * args.n_layer * target.layers[0].attention.n_kv * args.head_dim * elt * ctx  # this rank's heads
     return {"plain_step": weight_bytes(target) + kv, "cycle": cycle_weight_bytes(target, draft, tree) + kv}
 
 
@@ -313,6 +313,8 @@ def run_eval(target, draft, tree, tokenizer: Tokenizer, tasks: dict, max_new_tok
                     plain = generate(target, prompt, max_new_tokens, GREEDY, tokenizer.eos_ids, step_fn=step_fns["plain"])
                     spec = generate(target, prompt, max_new_tokens, GREEDY, tokenizer.eos_ids, draft=draft, tree=tree,
                                     step_fn=step_fns["spec"])
+                except tp.RanksDisagree:
+                    raise
                 except EagletError:  # the conversation outgrew the cache
                     stats["skipped"] += 1
                     break
@@ -490,8 +492,8 @@ def tensor_parallel_lines(results: dict) -> list:
     return [f"Tensor parallel over {tp_['ranks']} ranks (every figure here is rank 0's): "
             f"{tp_['weights_per_rank_GB']:.4g} GB of weights per rank per forward; collectives counted as they ran: "
             f"{tp_['collectives_per_plain_step']} per plain step, {tp_['collectives_per_cycle']} per EAGLE-2 cycle "
-            "(an all-reduce after each layer's attention and MLP in each target forward; the draft runs whole on "
-            "every rank)", ""]
+            "(an all-reduce after each layer's attention and MLP in each target forward, and one that checks the "
+            "ranks decided the same; the draft runs whole on every rank)", ""]
 
 
 def git_commit() -> str:
@@ -630,7 +632,7 @@ def main(argv=None):
         if args.hf and quantization:
             raise EagletError("--hf runs transformers on the same weights, which it cannot read quantized: "
                               "bench the bf16 model.pth for that row")
-        prompt, prompt_text = side_prompt(args)
+        prompt, prompt_text = tp.agreed(group, side_prompt, args)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
@@ -651,12 +653,12 @@ def main(argv=None):
         print(f"side by side on the same weights: {prompt_text}", flush=True)
         results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf, prompt)
         if args.eval:
-            tokenizer = Tokenizer(args.tokenizer or args.checkpoint_path.parent)
+            tokenizer = tp.agreed(group, Tokenizer, args.tokenizer or args.checkpoint_path.parent)
             print(f"chat template: {tokenizer.chat_template_source}")
             results["setup"]["chat_template"] = tokenizer.chat_template_source
             print(f"evaluating on {args.eval}", flush=True)
-            results["eval"] = run_eval(target, draft, tree, tokenizer, load_questions(args.eval, args.questions),
-                                       args.max_new_tokens, step_fns)
+            tasks = tp.agreed(group, load_questions, args.eval, args.questions)
+            results["eval"] = run_eval(target, draft, tree, tokenizer, tasks, args.max_new_tokens, step_fns)
         results["limit"] = limits(results, copy_bw)
         if group is not None:
             results["tensor_parallel"] = tensor_parallel(target, draft, tree, group)

@@ -26,6 +26,8 @@ def cli_parser(doc: str) -> argparse.ArgumentParser:
     'error: ...', and exit status 1, like every other mistake."""
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
     p.error = lambda message: sys.exit(f"error: {message}" if not torchrun_rank() else 1)
+    if torchrun_rank():  # --help and usage once, from rank 0
+        p.print_help = p.print_usage = lambda *args, **kwargs: None
     return p
 
 

@@ -202,7 +202,8 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
     Eager callers may pass filled (input_pos + 1, known on the host): only those cache slots are read."""
     logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
-    return sample(logits[:, -1], sampling)
+    token = sample(logits[:, -1], sampling)
+    return token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
 
 
 def compile_step(step_fn: Callable, device: str):
@@ -383,7 +384,10 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     logits, features = verify(target, tree, ctx_len)
     emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.levels)
     h_last = catch_up(target, draft, emitted, take(features, path), ctx_len, n_accepted)
-    return emitted, n_accepted, bonus, ctx_len + n_accepted + 1, h_last
+    next_ctx = ctx_len + n_accepted + 1
+    if target.tp_group is not None:  # every rank must have decided the same (tp.py); -1 says they did not
+        n_accepted = tp.flag_disagreement(target.tp_group, n_accepted, tree.tokens, emitted)
+    return emitted, n_accepted, bonus, next_ctx, h_last
 
 
 @torch.no_grad()
@@ -424,20 +428,27 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             filled = {} if step_fn else {"filled": len(prompt_tokens) + len(tokens)}  # compiled: fixed shapes
             token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **filled).clone()
             ctx_len += 1
-            new = [token.item()]
+            new = [check_agreed(token.item())]
         else:
             emitted, n_accepted, token, ctx_len, h_last = [
                 t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
             out = torch.cat([n_accepted.view(1), emitted]).tolist()  # the one host sync of the cycle
-            new = out[1:out[0] + 2]
+            new = out[1:check_agreed(out[0]) + 2]
         n_before = len(tokens)
         done = emit(new)
         if draft is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens do not count
             accept_lengths.append(len(tokens) - n_before)
     device_sync(device)
-    seconds = time.perf_counter() - t0
-    tp.check_in_step(model.tp_group, tokens)
-    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths)
+    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+
+
+def check_agreed(value: int) -> int:
+    """value, unless tensor parallel ranks decided differently (tp.flag_disagreement put -1 in its place)."""
+    if value < 0:
+        raise tp.RanksDisagree("tensor parallel ranks decided differently: their kernels are not deterministic "
+                               "across ranks (different GPU models, libraries or tuning?), so the output would not "
+                               "be exact; run on identical GPUs and software, or without --compile")
+    return value
 
 
 def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: Optional[Callable] = None) -> bool:
@@ -506,13 +517,13 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         if draft is None:
             token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
             ctx_len = torch.where(live, ctx_len + 1, ctx_len)
-            new = [[t] for t in token.tolist()]
+            new = [[check_agreed(t)] for t in token.tolist()]
         else:
             emitted, n_accepted, token, next_ctx, h_last = [
                 t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
             ctx_len = torch.where(live, next_ctx, ctx_len)  # a finished row stays within its cache
             out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
-            new = [o[1:o[0] + 2] for o in out]
+            new = [o[1:check_agreed(o[0]) + 2] for o in out]
     return [GenerationResult(list(p), r, s, a) for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
 
 

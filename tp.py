@@ -20,7 +20,9 @@ Why every rank makes the same decisions without a broadcast: every value a token
 from replicated weights or is an all-reduce's result, which hands every rank the same bits; the same
 kernels on the same inputs give the same bits, so each rank builds the same tree, accepts the same path
 and emits the same tokens, with the cycle's one host sync and no more (sampling: the same seed on every
-rank). generate.py checks it once per generation, and says so if ranks ever disagree.
+rank). Should some kernel not be deterministic across ranks (different GPU models or libraries, tuning that
+picks other kernels), each step and cycle checks it: one small all-reduce of what it decided (max and min
+over the ranks) in the graph, read at the cycle's one host sync, so every rank stops with the same error.
 
 Each rank reads only its part of model.pth: the file is memory-mapped and only its slices are copied.
 """
@@ -32,10 +34,12 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import torchrun_rank
-from model import EagletError, ModelArgs, Transformer, load_state_dict, pop_quantization
+from model import EagletError, ModelArgs, Transformer, load_state_dict, pop_quantization, use_quantized_linears
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")  # output rows are split: each rank computes some outputs
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # input columns are split: each rank adds a partial sum
@@ -89,8 +93,8 @@ def agreed(group, fn: Callable, *args, **kwargs):
     dist.all_gather_object(errors, error, group=group)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        r, message = failed[0]
-        raise EagletError(message if all(e == message for _, e in failed) and len(failed) == len(errors)
+        r, message = failed[0]  # rank 0 prints it: its own needs no name (a check only rank 0 runs, too)
+        raise EagletError(message if r == 0 or all(e == message for _, e in failed) and len(failed) == len(errors)
                           else f"rank {r}: {message}")
     return result
 
@@ -104,16 +108,19 @@ def rank0_value(group, value):
     return box[0]
 
 
-def check_in_step(group, tokens: list):
-    """Every rank emitted the same tokens (see the module docstring for why they do)."""
-    if group is None:
-        return
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, tokens, group=group)
-    differing = [r for r, t in enumerate(every) if t != every[0]]
-    if differing:
-        raise EagletError(f"tensor parallel ranks {differing} emitted other tokens than rank 0: their kernels "
-                          "are not deterministic (different GPU models or libraries on the ranks?)")
+class RanksDisagree(EagletError):
+    """Tensor parallel ranks decided differently: the output would no longer be exact."""
+
+
+def flag_disagreement(group, decision: Tensor, *decided: Tensor) -> Tensor:
+    """decision, or -1 in its place on every rank if the ranks hold different values anywhere in decision or
+    decided (a cycle's accepted count, tree tokens and emitted tokens; a step's token). One small all-reduce
+    inside the compiled graph: every rank learns it at the cycle's one host sync and all stop together (a rank
+    that went on alone would wait forever in its next collective)."""
+    mine = torch.cat([t.reshape(-1) for t in (decision, *decided)])
+    extremes = funcol.all_reduce(torch.cat([mine, -mine]), "max", group)
+    spread = extremes[:mine.numel()] + extremes[mine.numel():]  # each value's max - min over the ranks
+    return torch.where(spread.any(), torch.full_like(decision, -1), decision)
 
 
 def check_shardable(args: ModelArgs, world: int, quantization: Optional[dict]):
@@ -180,9 +187,22 @@ def load_sharded(checkpoint_path, group, device="cpu", dtype=torch.float32) -> T
     state_dict = load_state_dict(checkpoint_path)
     quantization = pop_quantization(dict(state_dict), checkpoint_path)
     check_shardable(args, world, quantization)
+    check_whole_shapes(state_dict, args, checkpoint_path)
     model = Transformer.from_state_dict(local_args(args, world), shard_state_dict(state_dict, args, me, world),
                                        device, dtype, str(checkpoint_path))
     return joined(model, args, group)
+
+
+def check_whole_shapes(state_dict: dict, args: ModelArgs, path):
+    """Every tensor as the config makes it, before it is cut (a cut would hide which file tensor is wrong)."""
+    with torch.device("meta"):
+        whole = Transformer(args)
+        use_quantized_linears(whole, state_dict)
+    for name, t in whole.state_dict().items():
+        found = state_dict.get(name)
+        if isinstance(found, Tensor) and found.shape != t.shape:
+            raise EagletError(f"{path} does not match its config.json: {name} is {tuple(found.shape)}, the config "
+                              f"makes it {tuple(t.shape)}")
 
 
 def joined(model: Transformer, args: ModelArgs, group) -> Transformer:

@@ -1,7 +1,9 @@
 """Runs decoding cases for test_tp.py: `torchrun --nproc_per_node=N tests/tp_worker.py CASES.json OUT.json` shards
 each target over the ranks (tensor parallel, gloo); test_tp.py calls run_cases() in its own process for the
 single-process reference. A case: {"target", "head" (or null), "prompts" (lists of ids), "max_new_tokens",
-"temperature", "seed"}. Rank 0 writes [{"tokens": [...], "accept_lengths": [...]} per prompt] per case."""
+"temperature", "seed", "perturb" (optional: rank 1 scales its own copy of the replicated weights of
+`perturb`, lm_head or head, with noise, as a rank whose kernels differ would compute)}. Rank 0 writes
+[{"tokens": [...], "accept_lengths": [...]} per prompt] per case, or {"error": ...} for a case that failed."""
 import json
 import sys
 from pathlib import Path
@@ -20,13 +22,20 @@ def run_cases(cases: list, group=None) -> list:
     for case in cases:
         model = load_target(case["target"], "cpu", "fp32", max_seq_length=256, group=group)
         draft = load_draft(case["head"], model) if case["head"] else None
+        if case.get("perturb") and tp.torchrun_rank() == 1:
+            module = model.output if case["perturb"] == "lm_head" else draft.fc
+            noise = torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(1))
+            module.weight.data = module.weight.data + 0.5 * noise * module.weight.data.std()
         tree = TreeConfig(depth=draft.default_depth if draft else 6, topk=4, total_tokens=24)
         sampling = SamplingConfig(temperature=case.get("temperature", 0.0))
         runs = []
-        for prompt in case["prompts"]:
-            torch.manual_seed(case.get("seed", 0))
-            result = generate(model, prompt, case["max_new_tokens"], sampling, draft=draft, tree=tree)
-            runs.append({"tokens": result.tokens, "accept_lengths": result.accept_lengths})
+        try:
+            for prompt in case["prompts"]:
+                torch.manual_seed(case.get("seed", 0))
+                result = generate(model, prompt, case["max_new_tokens"], sampling, draft=draft, tree=tree)
+                runs.append({"tokens": result.tokens, "accept_lengths": result.accept_lengths})
+        except tp.RanksDisagree as e:
+            runs = {"error": str(e)}
         results.append(runs)
     return results
 
