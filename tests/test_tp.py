@@ -227,3 +227,14 @@ def test_bench_reports_weights_per_rank_and_collectives(tmp_path):
     assert results["tensor_parallel"]["collectives_per_cycle"] == 2 * layers + 1
     assert results["setup"]["command"].startswith("torchrun --standalone --nproc_per_node=2 bench.py")
     assert "Tensor parallel over 2 ranks" in (tmp_path / "b.md").read_text()
+
+
+def test_a_file_that_does_not_match_its_config_is_named_before_it_is_cut(targets):
+    from dataclasses import replace
+    from model import load_state_dict
+    for name in ("demo", "demo_int4"):
+        state_dict = load_state_dict(targets[name])
+        args = ModelArgs.from_checkpoint_dir(targets[name].parent)
+        tp.check_whole_shapes(state_dict, args, targets[name])  # as written
+        with pytest.raises(EagletError, match=r"does not match its config.json: layers.0.feed_forward.w13.weight is"):
+            tp.check_whole_shapes(state_dict, replace(args, intermediate_size=512), targets[name])
