@@ -54,8 +54,13 @@ def parse_args(argv=None):
     p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
     p.add_argument("--total_tokens", type=total_tokens_flag, default=60,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up")
-    p.add_argument("--prompt", type=utf8_text, default=None,
-                   help=f"the prompt (default: {DEMO_PROMPT!r})")
+    p.add_argument("--prompt", type=utf8_text, action="append", default=None,
+                   help=f"the prompt (default: {DEMO_PROMPT!r}); give it several times to decode several prompts")
+    p.add_argument("--prompt_file", type=Path, default=None,
+                   help="prompts, one a line: a JSON string, or a FastChat question (its first turn)")
+    p.add_argument("--batch_size", type=int_flag(1), default=None,
+                   help="several prompts: decode this many together (default: all of them, or as many as the "
+                        "caches' memory allows)")
     p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
                    help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
@@ -80,7 +85,7 @@ def parse_args(argv=None):
                    help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
     p.add_argument("--json_out", type=Path, default=None,
                    help="write the prompt's tokens and each sample's tokens, text, tokens/s, accept lengths and tau "
-                        "as JSON, with their means")
+                        "as JSON, with their means (several prompts: a list of such objects)")
     args = p.parse_args(argv)
     args.demo = args.checkpoint_path is None
     if args.demo:  # a small code model and its head, shipped in demo/
@@ -99,13 +104,50 @@ def parse_args(argv=None):
         p.error("--stop needs a non-empty text")
     if args.interactive and args.json_out:
         p.error("--json_out records one generation; --interactive has many (give a --prompt instead)")
+    try:
+        args.prompts = (args.prompt or []) + (read_prompts(args.prompt_file) if args.prompt_file else [])
+    except ValueError as e:
+        p.error(str(e))
+    if args.interactive and len(args.prompts) > 1:
+        p.error("--interactive is one conversation: it takes no --prompt_file and at most one --prompt")
+    empty = [i + 1 for i, text in enumerate(args.prompts) if not text]
+    if empty and len(args.prompts) > 1:
+        p.error(f"prompt {empty[0]} of {len(args.prompts)} is empty")
     if args.interactive and torchrun_rank() is not None:
         p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
     if args.no_draft:
         args.draft_checkpoint_path = None
-    args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    args.prompts = args.prompts or [DEMO_PROMPT]
+    args.prompt = args.prompts[0]
     args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
     return args
+
+
+def read_prompts(path: Path) -> list:
+    """A prompt file: one prompt a line, a JSON string or a FastChat question ({"turns": [...]}, its first
+    turn); blank lines skipped. ValueError names the line of a mistake."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt_file {path}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompt_file {path} line {n}: not JSON ({e.msg})")
+        if isinstance(item, dict) and isinstance(item.get("turns"), list) and item["turns"]:
+            item = item["turns"][0]
+        if not isinstance(item, str):
+            raise ValueError(f"--prompt_file {path} line {n}: expected a JSON string or a question with \"turns\"")
+        if not item:
+            raise ValueError(f"--prompt_file {path} line {n}: the prompt is empty")
+        prompts.append(item)
+    if not prompts:
+        raise ValueError(f"--prompt_file {path} holds no prompts")
+    return prompts
 
 
 if __name__ == "__main__":
@@ -496,7 +538,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
     emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
                      on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
-    new, ctx_len = [[t] for t in token.tolist()], lengths.clone()
+    new, ctx_len, next_ctx = [[t] for t in token.tolist()], lengths.clone(), lengths.clone()
     if draft is not None:
         step_fn = step_fn or speculative_cycle
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
@@ -513,15 +555,16 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
                 seconds[b] = time.perf_counter() - t0 if done[b] else 0.0
         if all(done):
             break
-        live = torch.tensor([not d for d in done], device=device)
+        # A row that is done stays at the context its last step started from: below its end, so the steps
+        # it still takes (their outputs ignored) write inside its cache.
+        ctx_len = torch.where(torch.tensor([not d for d in done], device=device), next_ctx, ctx_len)
         if draft is None:
             token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
-            ctx_len = torch.where(live, ctx_len + 1, ctx_len)
+            next_ctx = ctx_len + 1
             new = [[check_agreed(t)] for t in token.tolist()]
         else:
             emitted, n_accepted, token, next_ctx, h_last = [
                 t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
-            ctx_len = torch.where(live, next_ctx, ctx_len)  # a finished row stays within its cache
             out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
             new = [o[1:check_agreed(o[0]) + 2] for o in out]
     return [GenerationResult(list(p), r, s, a) for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
@@ -740,21 +783,65 @@ def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Call
         result = gen(prompt, args.max_new_tokens, on_tokens=streamer)
         streamer.flush()
         show(result)
-        samples.append({"seed": args.seed + i, "tokens": result.tokens, "text": streamer.text,
-                        "tokens_per_s": result.tokens_per_s, "accept_lengths": result.accept_lengths,
-                        "cycles": len(result.accept_lengths), "tau": result.tau if result.accept_lengths else None})
+        samples.append(sample_record(args.seed + i, result, streamer.text))
     summary = summarize(samples)
     if args.num_samples > 1:
         print(f"\n{len(samples)} samples: {summary['tokens_per_s_mean']:.2f} tokens/s mean (min "
               f"{summary['tokens_per_s_min']:.2f}, max {summary['tokens_per_s_max']:.2f})"
               + (f", tau {summary['tau']:.2f} over all {summary['cycles']} cycles" if summary["cycles"] else ""))
+    demo_note(args)
+    if args.json_out and not torchrun_rank():
+        write_output(args.json_out, json.dumps({"prompt_tokens": prompt, "samples": samples, **summary}))
+
+
+def sample_record(seed: int, result: GenerationResult, text: str) -> dict:
+    """One sample as --json_out writes it."""
+    return {"seed": seed, "tokens": result.tokens, "text": text, "tokens_per_s": result.tokens_per_s,
+            "accept_lengths": result.accept_lengths, "cycles": len(result.accept_lengths),
+            "tau": result.tau if result.accept_lengths else None}
+
+
+def run_batches(args, gen_batch: Callable, tokenizer: Tokenizer, prompts: list, rows: int):
+    """Several prompts, rows at a time (the last batch filled up with copies of its last prompt, so that shapes
+    and the compiled graph stay the same; their results are dropped). Each prompt's text and figures after its
+    batch; --json_out: a list, one object per prompt as for one prompt."""
+    batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
+    if args.compile:
+        warm_up(gen_batch, batches[0] + batches[0][-1:] * (rows - len(batches[0])), args.max_new_tokens)
+    samples = [[] for _ in prompts]
+    tokens, seconds = 0, 0.0
+    for i in range(args.num_samples):
+        torch.manual_seed(args.seed + i)
+        for n, batch in enumerate(batches):
+            full = batch + batch[-1:] * (rows - len(batch))
+            streamers = [TextStreamer(tokenizer, p, enabled=False, stop=args.stop) for p in full]
+            t0 = time.perf_counter()
+            results = gen_batch(full, args.max_new_tokens, on_tokens=lambda row, new: streamers[row](new))
+            seconds += time.perf_counter() - t0
+            for row, result in enumerate(results[:len(batch)]):
+                k = n * rows + row
+                sample = f", sample {i + 1}/{args.num_samples}" if args.num_samples > 1 else ""
+                print(f"--- prompt {k + 1}/{len(prompts)}{sample}")
+                print(args.prompts[k] + streamers[row].text)
+                tau = f", tau {result.tau:.2f} over {len(result.accept_lengths)} cycles" if result.accept_lengths else ""
+                print(f"({len(result.tokens)} tokens, done after {result.seconds:.2f} s: "
+                      f"{result.tokens_per_s:.2f} tokens/s for this prompt{tau})")
+                samples[k].append(sample_record(args.seed + i, result, streamers[row].text))
+                tokens += len(result.tokens)
+    print(f"\n{len(prompts)} prompts x {args.num_samples} samples, {rows} at a time: {tokens} tokens in "
+          f"{seconds:.2f} s, {tokens / max(seconds, 1e-9):.2f} tokens/s in all")
+    demo_note(args)
+    if args.json_out and not torchrun_rank():
+        write_output(args.json_out, json.dumps([{"prompt_tokens": p, "samples": s, **summarize(s)}
+                                                for p, s in zip(prompts, samples)]))
+
+
+def demo_note(args):
     if args.demo:
         print("(the demo's target has 4M parameters: on a CPU its forward costs about as much as a draft pass, so "
               "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here; "
               "the text is the same either way. Speculation pays where each forward reads gigabytes of weights: "
               "a 7B model on a GPU)")
-    if args.json_out and not torchrun_rank():
-        write_output(args.json_out, json.dumps({"prompt_tokens": prompt, "samples": samples, **summary}))
 
 
 def summarize(samples: list) -> dict:
@@ -901,8 +988,9 @@ def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
 
 
 def load(args, group=None):
-    """Model, tokenizer, draft, the tree and the prompt (None for --interactive) as the flags ask; under
-    tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
+    """Model, tokenizer, draft, the tree, the prompts' tokens (None for --interactive) and the rows the caches
+    hold, as the flags ask; under tensor parallel (group) this rank's shard of the target. No collective
+    here: tp.agreed runs it."""
     sampling, tree = configs(args)  # checks the flags before anything is loaded
     if args.json_out and not torchrun_rank():  # rank 0 writes it
         check_writable(args.json_out, "--json_out")
@@ -920,19 +1008,51 @@ def load(args, group=None):
         print(f"chat template: {tokenizer.chat_template_source}")
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.interactive:
-        prompt = None
+        prompts = None
     elif args.chat:
-        prompt = tokenizer.encode_chat(system + [{"role": "user", "content": args.prompt}])
+        prompts = [tokenizer.encode_chat(system + [{"role": "user", "content": p}]) for p in args.prompts]
     else:
-        prompt = tokenizer.encode(args.prompt)
+        prompts = [tokenizer.encode(p) for p in args.prompts]
     scratch = tree.scratch if draft is not None else 0
+    size = cache_length(args, model, max(prompts, key=len) if prompts else None, scratch)
+    rows = batch_rows(args, model, draft, len(prompts), size) if prompts and len(prompts) > 1 else 1
     with torch.device(args.device):
-        model.setup_caches(max_batch_size=1, max_seq_length=cache_length(args, model, prompt, scratch))
+        model.setup_caches(max_batch_size=rows, max_seq_length=size)
     if draft is not None:
-        draft.setup_caches(model.max_seq_length)
+        draft.setup_caches(model.max_seq_length, rows)
     if draft is not None and tree.topk > draft.vocab_size:
         raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
-    return model, tokenizer, draft, sampling, tree, prompt
+    return model, tokenizer, draft, sampling, tree, prompts, rows
+
+
+def free_memory(device: str) -> int:
+    """Bytes free for the caches: the GPU's free memory, or the machine's available RAM."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no figure, no limit
+        return 2 ** 62
+
+
+def batch_rows(args, model: Transformer, draft: Optional[DraftHead], n_prompts: int, size: int) -> int:
+    """Prompts decoded together: --batch_size, else all of them; at most what 90% of the free memory holds in
+    caches of size slots (the target's and the head's)."""
+    per_row = 2 * size * model.tok_embeddings.weight.element_size() * sum(
+        layer.attention.n_kv * model.args.head_dim for layer in model.layers)
+    if draft is not None:
+        per_row += 2 * size * model.tok_embeddings.weight.element_size() * draft.args.n_local_heads * draft.args.head_dim
+    free = free_memory(args.device)
+    fit = max(1, int(0.9 * free // per_row))
+    if args.batch_size and args.batch_size > fit:
+        raise EagletError(f"--batch_size {args.batch_size}: caches of {size} slots for {args.batch_size} rows need "
+                          f"{args.batch_size * per_row / 1e9:.2f} GB, and {free / 1e9:.2f} GB is free on "
+                          f"{args.device}: the largest batch that fits is {fit} (or a smaller --max_seq_length)")
+    rows = min(args.batch_size or n_prompts, n_prompts, fit)
+    print(f"{n_prompts} prompts, {rows} at a time (caches {rows * per_row / 1e9:.2f} GB of {free / 1e9:.2f} GB free"
+          + (f"; all {n_prompts} would need {n_prompts * per_row / 1e9:.2f} GB" if rows < min(n_prompts, args.batch_size or n_prompts) else "")
+          + ")")
+    return rows
 
 
 def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeConfig):
@@ -964,7 +1084,7 @@ def main(argv=None):
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         group = tp.start(args.device)
-        model, tokenizer, draft, sampling, tree, prompt = tp.agreed(group, load, args, group)
+        model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, load, args, group)
         if draft is not None and args.total_tokens == "auto":  # timed on each rank, rank 0's choice for all
             tree = replace(tree, total_tokens=tp.rank0_value(group, pick_total_tokens(model, tree)))
         describe(args, model, draft, tree)
@@ -977,8 +1097,12 @@ def main(argv=None):
         if args.interactive:
             scratch = tree.scratch if draft is not None else 0
             run_interactive(args, gen, tokenizer, model.max_seq_length, scratch, show)
+        elif len(prompts) > 1:
+            gen_batch = partial(generate_batch, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft,
+                                tree=tree, step_fn=step_fn)
+            run_batches(args, gen_batch, tokenizer, prompts, rows)
         else:
-            run_once(args, gen, tokenizer, prompt, show)
+            run_once(args, gen, tokenizer, prompts[0], show)
     except EagletError as e:
         status = f"error: {e}" if not torchrun_rank() else 1
     except KeyboardInterrupt:
