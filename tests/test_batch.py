@@ -1,9 +1,11 @@
 """Several rows at once: a target whose rows sit at different positions of their own cache rows (per-row
 positions, slots, masks and compaction) computes for each row what it computes for that row alone."""
+import json
+
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, expect_error
 from generate import SamplingConfig, load_target
 from model import attention_mask, causal_mask
 
@@ -145,3 +147,61 @@ def test_compiled_batch_equals_eager_in_one_graph(demo, head):
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
     assert [r.accept_lengths for r in compiled] == [r.accept_lengths for r in eager]
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def cli_json(argv: list, path) -> object:
+    import generate
+    generate.main(argv + ["--json_out", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_cli_several_prompts_equal_each_alone(tmp_path, capsys):
+    """Three prompts of different lengths and a FastChat question, two at a time (the last batch filled up),
+    caches sized as tightly as the flags allow; each equals its own run, stop strings included."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "turns": ["for i in range(", "second turn"]}) + "\n\n")
+    argv = ["--max_new_tokens", "24", "--stop", ", "]
+    out = cli_json(argv + ["--prompt", CODE[0], "--prompt", CODE[1], "--prompt", CODE[3], "--prompt_file",
+                           str(questions), "--batch_size", "2"], tmp_path / "batch.json")
+    printed = capsys.readouterr().out
+    assert "4 prompts, 2 at a time" in printed and printed.count("--- prompt ") == 4
+    assert [o["samples"][0]["text"] for o in out] != [""] * 4
+    for i, prompt in enumerate([CODE[0], CODE[1], CODE[3], "for i in range("]):
+        alone = cli_json(argv + ["--prompt", prompt], tmp_path / f"alone{i}.json")
+        assert out[i]["prompt_tokens"] == alone["prompt_tokens"]
+        for key in ("tokens", "text", "accept_lengths"):
+            assert out[i]["samples"][0][key] == alone["samples"][0][key], (i, key)
+    assert all(", " not in o["samples"][0]["text"] for o in out)  # cut before the stop string,
+    assert min(len(o["samples"][0]["tokens"]) for o in out) < 24  # which ended at least one row early
+
+
+def test_cli_chat_template_on_each_prompt(checkpoints, tmp_path):
+    target = checkpoints("llama2")[0]
+    argv = ["--checkpoint_path", str(target), "--chat", "--max_new_tokens", "6"]
+    out = cli_json(argv + ["--prompt", "w1 w2", "--prompt", "w3 w4 w5 w6"], tmp_path / "batch.json")
+    for i, prompt in enumerate(["w1 w2", "w3 w4 w5 w6"]):
+        alone = cli_json(argv + ["--prompt", prompt], tmp_path / f"alone{i}.json")
+        assert out[i]["prompt_tokens"] == alone["prompt_tokens"] and out[i]["samples"][0]["tokens"] == \
+            alone["samples"][0]["tokens"]
+
+
+@pytest.mark.parametrize("lines, match", [
+    ("", "holds no prompts"),
+    ('"one"\n\n{"turns": []}\n', "line 3: expected a JSON string or a question"),
+    ('"one"\nnot json\n', "line 2: not JSON"),
+    ('"one"\n""\n', "line 2: the prompt is empty"),
+])
+def test_prompt_file_mistakes_name_the_line(tmp_path, lines, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text(lines)
+    expect_error(["--prompt_file", str(path)], match)
+
+
+def test_several_prompts_mistakes(tmp_path, monkeypatch):
+    import generate
+    expect_error(["--prompt", "a", "--prompt", ""], "prompt 2 of 2 is empty")
+    expect_error(["--prompt", "a", "--prompt", "b", "--interactive", "--checkpoint_path", str(DEMO / "target")],
+                 "--interactive is one conversation")
+    monkeypatch.setattr(generate, "free_memory", lambda device: 3_000_000)
+    expect_error(["--prompt", "a", "--prompt", "b", "--prompt", "c", "--batch_size", "3", "--max_seq_length", "1024"],
+                 "--batch_size 3: caches of 1024 slots for 3 rows need")
