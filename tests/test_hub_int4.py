@@ -28,7 +28,7 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")
 AWQ_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: an int32's 4-bit slot j holds column 8k + AWQ_SLOTS[j]
 IN_ORDER = tuple(range(8))
-SYMMETRIC = {"awq": False, "gptq": True, "gptq_v2": False, "ct_sym": True, "ct_asym": False}
+SYMMETRIC = {"awq": False, "gptq": True, "gptq_asym": False, "gptq_v2": False, "ct_sym": True, "ct_asym": False}
 
 
 # The formats' writers: integers q [out, in] and z [out, groups] in 0..15, scales s [out, groups].
@@ -76,18 +76,21 @@ def ct_tensors(q, z, s, symmetric):
 
 
 WRITERS = {"awq": awq_tensors, "gptq": lambda q, z, s: gptq_tensors(q, z, s, False),
+           "gptq_asym": lambda q, z, s: gptq_tensors(q, z, s, False),
            "gptq_v2": lambda q, z, s: gptq_tensors(q, z, s, True),
            "ct_sym": lambda q, z, s: ct_tensors(q, z, s, True), "ct_asym": lambda q, z, s: ct_tensors(q, z, s, False)}
 
 
 def quantization_config(fmt: str, groupsize: int) -> dict:
-    """config.json's quantization_config as each library writes it."""
+    """config.json's quantization_config as each library writes it: gptq is the gptq checkpoint format,
+    symmetric (z = 8, stored 7); gptq_asym the same format asymmetric (z - 1 stored); gptq_v2 asymmetric (z)."""
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": groupsize, "version": "gemm", "zero_point": True,
                 "modules_to_not_convert": None}
     if fmt.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": 4, "group_size": groupsize, "desc_act": False, "sym": fmt == "gptq",
-                "true_sequential": True, "damp_percent": 0.01, "static_groups": False, "checkpoint_format": fmt}
+        return {"quant_method": "gptq", "bits": 4, "group_size": groupsize, "desc_act": False, "sym": SYMMETRIC[fmt],
+                "true_sequential": True, "damp_percent": 0.01, "static_groups": False,
+                "checkpoint_format": "gptq_v2" if fmt == "gptq_v2" else "gptq"}
     weights = {"num_bits": 4, "type": "int", "symmetric": fmt == "ct_sym", "strategy": "group",
                "group_size": groupsize, "dynamic": False, "actorder": None, "observer": "minmax"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
@@ -305,6 +308,60 @@ def test_same_file_as_quantize_py_on_the_same_integers(checkpoints, tmp_path, fm
     _, sd = by_module(ours, ModelArgs.from_hf_config(read_config(src)))
     ours_logits, want = logits_of(ours, transformers_twin(src, grids, sd["output.weight"]))
     assert (ours_logits - want).abs().max() < 1e-4
+
+
+def varied_zeros(shape, groupsize: int, g: torch.Generator):
+    """Random q; zero points 1..15 drawn per group and output column (gptq's stored z - 1 stays in 0..14);
+    fp16 scales that bf16 rounds, as are (8 - z) s."""
+    out_features, in_features = shape
+    groups = (out_features, in_features // groupsize)
+    q = torch.randint(0, 16, shape, generator=g)
+    z = torch.randint(1, 16, groups, generator=g)
+    s = (0.001 + 0.02 * torch.rand(groups, generator=g)).half()
+    return q.to(torch.uint8), z.to(torch.uint8), s
+
+
+def int4_weight(q, z, s) -> torch.Tensor:
+    """(q - 8) * bf16(s) + bf16((8 - z) s): w = (q - z) * s as the int4 file holds it."""
+    groupsize = q.shape[1] // z.shape[1]
+    step = s.float().to(torch.bfloat16).float().repeat_interleave(groupsize, 1)
+    zero = ((8 - z.float()) * s.float()).to(torch.bfloat16).float().repeat_interleave(groupsize, 1)
+    return (q.float() - 8) * step + zero
+
+
+# (format, what its qzeros hold less z, the format its file would be mistaken for)
+GPTQ_ZEROS = [("gptq_asym", -1, "gptq_v2"), ("gptq_v2", 0, "gptq")]
+
+
+@pytest.mark.parametrize("fmt,stored,other", GPTQ_ZEROS, ids=[g[0] for g in GPTQ_ZEROS])
+def test_asymmetric_gptq_zero_points_in_either_convention(checkpoints, tmp_path, fmt, stored, other):
+    """Asymmetric GPTQ with zero points varying per group and per output column, written in the gptq format
+    (qzeros hold z - 1, sym false) and in gptq_v2 (z): ours are w = (q - z) * s with bf16 scale and zero, and
+    differ in every weight from the file read in the other convention (z - 1 taken as z, or z as z - 1),
+    which the converter, told the other checkpoint_format, indeed gives."""
+    src, _ = checkpoints("llama2")
+    g = torch.Generator().manual_seed(7)
+    grids = write_hub(tmp_path / fmt, src, fmt, 32, lambda w: varied_zeros(w.shape, 32, g))
+    config = json.loads((tmp_path / fmt / "config.json").read_text())["quantization_config"]
+    assert config["sym"] is False and config["checkpoint_format"] == ("gptq" if fmt == "gptq_asym" else fmt)
+    zs = torch.cat([z.flatten() for _, z, _ in grids.values()])
+    assert zs.min() == 1 and zs.max() == 15 and (zs != 8).float().mean() > 0.8
+    qzeros = load_file(str(tmp_path / fmt / "model.safetensors"))["model.layers.0.mlp.down_proj.qzeros"]
+    _, z, _ = grids["model.layers.0.mlp.down_proj"]
+    assert [(int(qzeros[0, 0]) >> 4 * j) & 15 for j in range(8)] == (z[:8, 0].long() + stored).tolist()
+    mistaken = tmp_path / other
+    shutil.copytree(tmp_path / fmt, mistaken)
+    edit_config(checkpoint_format=other)(mistaken)
+    args = ModelArgs.from_hf_config(read_config(src))
+    ours, _ = by_module(converted(tmp_path / fmt)[0], args)
+    misread, _ = by_module(converted(mistaken)[0], args)
+    shift = -1 if fmt == "gptq_asym" else 1  # z - 1 read as z, or z read as z - 1
+    for module, (q, z, s) in grids.items():
+        assert (z.diff(dim=0) != 0).any() and (z.diff(dim=1) != 0).any(), module
+        assert torch.equal(ours[module], int4_weight(q, z, s)), module
+        wrong = int4_weight(q, z.long() + shift, s)
+        assert (ours[module] != wrong).all(), module
+        assert torch.equal(misread[module], wrong), module
 
 
 @pytest.fixture(scope="module")
