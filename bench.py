@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from argparse import ArgumentTypeError
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +41,19 @@ SHAPES = {  # Hugging Face config fields of well-known models, for random-weight
 
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"  # generate.py's (not imported here: it imports torch)
+DEMO_NAMES = ("read_lines", "write_lines", "load_json", "save_json", "parse_args", "main", "count_words", "copy_file",
+              "read_config", "list_files", "make_dirs", "run", "get_path", "open_file", "clean", "split_lines")
+
+
+def batch_sizes_flag(text: str) -> list:
+    """An argparse type: batch sizes, comma-separated, each at least 1, increasing."""
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ArgumentTypeError(f"expected batch sizes like 1,2,4,8, got {text!r}")
+    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+        raise ArgumentTypeError(f"expected increasing batch sizes of at least 1, like 1,2,4,8, got {text!r}")
+    return sizes
 
 
 def parse_args(argv=None):
@@ -68,6 +82,9 @@ def parse_args(argv=None):
                    help=f"tokens generated in the side-by-side run (default: {SIDE_TOKENS}; 60 for the demo, as "
                         "generate.py)")
     p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
+    p.add_argument("--batch_sizes", type=batch_sizes_flag, default=None,
+                   help="several prompts at once: total tokens/s and latency per sequence at these batch sizes, plain "
+                        "and EAGLE-2, e.g. 1,2,4,8,16 (default: not run)")
     p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files (default: no evaluation)")
     p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
@@ -105,8 +122,8 @@ import torch  # noqa: E402
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConfig, TreeConfig,  # noqa: E402
                       catch_up, check_writable, commit, compile_settings, compile_step, cycle_weight_bytes,
-                      decode_one_token, device_sync, generate, load_draft, load_target, pick_device, prefill,
-                      sample, speculative_cycle, verify, weight_bytes, weights_format, write_output)
+                      decode_one_token, device_sync, generate, generate_batch, load_draft, load_target, pick_device,
+                      prefill, sample, speculative_cycle, verify, weight_bytes, weights_format, write_output)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -414,6 +431,67 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
     return rows
 
 
+def batch_prompts(args, target: Transformer, n: int) -> tuple:
+    """n prompts of their own and what they are: the demo's prompt with other function names, or random ids of
+    SIDE_PROMPT - 0..7 tokens (rows of different lengths)."""
+    if args.demo:
+        tokenizer = Tokenizer(args.checkpoint_path.parent)
+        names = [DEMO_NAMES[i % len(DEMO_NAMES)] for i in range(n)]
+        return [tokenizer.encode(f"def {name}(path):\n") for name in names], "the demo's prompt with 16 function names"
+    g = torch.Generator().manual_seed(1)
+    vocab = min(target.args.vocab_size, 32000)
+    return [torch.randint(0, vocab, (SIDE_PROMPT - i % 8,), generator=g).tolist() for i in range(n)], \
+        f"random token ids, {SIDE_PROMPT - 7} to {SIDE_PROMPT} a prompt"
+
+
+def batch_sweep(target, draft, tree, sizes: list, prompts: list, n_tokens: int, compile_: bool) -> dict:
+    """Several prompts at once, greedy, n_tokens each (no EOS): total tokens/s and the mean time until a row is
+    done, plain and EAGLE-2, per batch size; and the first batch size at which EAGLE-2 no longer beats plain."""
+    device, size = str(target.output.weight.device), target.max_seq_length
+    target.setup_caches(max(sizes), size)
+    draft.setup_caches(size, max(sizes))
+    rows = {"plain": {}, "EAGLE-2": {}}
+    for mode, fn in (("plain", decode_one_token), ("EAGLE-2", speculative_cycle)):
+        kwargs = {"step_fn": compile_step(fn, device) if compile_ else fn}
+        if mode == "EAGLE-2":
+            kwargs.update(draft=draft, tree=tree)
+        for b in sizes:
+            print(f"batch size {b}: {mode}", flush=True)
+            generate_batch(target, prompts[:b], min(16, n_tokens), GREEDY, **kwargs)  # warm-up (compilation)
+            device_sync(device)
+            t0 = time.perf_counter()
+            results = generate_batch(target, prompts[:b], n_tokens, GREEDY, **kwargs)
+            seconds = time.perf_counter() - t0
+            cycles = sum(len(r.accept_lengths) for r in results)
+            rows[mode][b] = {"tokens_per_s": sum(len(r.tokens) for r in results) / seconds,
+                             "latency_s": sum(r.seconds for r in results) / b,
+                             "tau": sum(sum(r.accept_lengths) for r in results) / cycles if cycles else None}
+    target.setup_caches(1, size)
+    draft.setup_caches(size)
+    stops = next((b for b in sizes if rows["EAGLE-2"][b]["tokens_per_s"] <= rows["plain"][b]["tokens_per_s"]), None)
+    return {"rows": rows, "tokens": n_tokens, "eagle_stops_beating_plain_at": stops}
+
+
+def batch_lines(results: dict) -> list:
+    if "batches" not in results:
+        return []
+    sweep, prompts = results["batches"], results["setup"]["batch_prompts"]
+    lines = ["", f"| several prompts at once: {prompts}, {sweep['tokens']} tokens each, greedy | plain tok/s in all | "
+             "EAGLE-2 tok/s in all | EAGLE-2 / plain | plain s per sequence | EAGLE-2 s per sequence | tau |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for b, plain in sweep["rows"]["plain"].items():
+        spec = sweep["rows"]["EAGLE-2"][b]
+        lines.append(f"| batch {b} | {plain['tokens_per_s']:.1f} | {spec['tokens_per_s']:.1f} | "
+                     f"{spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x | {plain['latency_s']:.3f} | "
+                     f"{spec['latency_s']:.3f} | {spec['tau']:.2f} |")
+    stops = sweep["eagle_stops_beating_plain_at"]
+    first = next(iter(sweep["rows"]["plain"]))
+    lines += ["", "EAGLE-2 beats plain decoding at every batch size measured here." if stops is None else
+              f"EAGLE-2 does not beat plain decoding at any batch size measured here (from {first})." if stops == first
+              else f"EAGLE-2 stops beating plain decoding at batch size {stops} on this device."]
+    return lines
+
+
 def speedup_base(rows: dict) -> str:
     """The side-by-side row the speedups divide by: transformers' generate if it ran, else our plain decoding."""
     return "transformers generate" if "transformers generate" in rows else "eaglet plain"
@@ -478,7 +556,7 @@ def markdown(results: dict) -> str:
                          + (f"{limit['tokens_per_s']:.1f} | {pct(limit['fraction'])} |" if limit else "- | - |"))
         lines += ["", f"Physical limit of a task: its tau x the copy bandwidth {copy:.4g} GB/s / the bytes floor "
                   f"{cycle['cycle_bytes_GB']:.4g} GB per cycle (at context {ctx}; the turns' own contexts differ)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + batch_lines(results)) + "\n"
 
 
 def launcher(group) -> str:
@@ -659,6 +737,11 @@ def main(argv=None):
             print(f"evaluating on {args.eval}", flush=True)
             tasks = tp.agreed(group, load_questions, args.eval, args.questions)
             results["eval"] = run_eval(target, draft, tree, tokenizer, tasks, args.max_new_tokens, step_fns)
+        if args.batch_sizes:
+            prompts, described = tp.agreed(group, batch_prompts, args, target, max(args.batch_sizes))
+            results["setup"]["batch_prompts"] = described
+            results["batches"] = batch_sweep(target, draft, tree, args.batch_sizes, prompts, args.side_tokens,
+                                             args.compile)
         results["limit"] = limits(results, copy_bw)
         if group is not None:
             results["tensor_parallel"] = tensor_parallel(target, draft, tree, group)

@@ -480,3 +480,24 @@ def test_the_tree_depth_defaults_to_the_heads_own(tmp_path):
     for extra, depth in (([], 7), (["--depth", "3"], 3)):
         bench.main(base + extra + ["--out", str(tmp_path / f"r{depth}")])
         assert json.loads((tmp_path / f"r{depth}.json").read_text())["setup"]["tree"]["depth"] == depth
+
+
+def test_bench_batch_sizes_sweep(tmp_path, capsys):
+    """--batch_sizes: both modes at each size, the ratio and the crossover recomputed from the JSON."""
+    bench.main(["--model", "tiny", "--batch_sizes", "1,2,3", "--out", str(tmp_path / "r")] + SMALL)
+    results = json.loads((tmp_path / "r.json").read_text())
+    sweep, md = results["batches"], (tmp_path / "r.md").read_text()
+    plain, spec = sweep["rows"]["plain"], sweep["rows"]["EAGLE-2"]
+    assert list(plain) == list(spec) == ["1", "2", "3"] and sweep["tokens"] == 12
+    for b in plain:
+        assert plain[b]["tokens_per_s"] > 0 and spec[b]["latency_s"] > 0 and spec[b]["tau"] >= 1
+        ratio = spec[b]["tokens_per_s"] / plain[b]["tokens_per_s"]
+        assert f"| batch {b} | {plain[b]['tokens_per_s']:.1f} | {spec[b]['tokens_per_s']:.1f} | {ratio:.2f}x |" in md
+    stops = next((int(b) for b in plain if spec[b]["tokens_per_s"] <= plain[b]["tokens_per_s"]), None)
+    assert sweep["eagle_stops_beating_plain_at"] == stops
+    assert results["setup"]["batch_prompts"].startswith("random token ids")
+
+
+@pytest.mark.parametrize("sizes", ["2,1", "0,1", "1,x"])
+def test_bench_batch_sizes_must_increase(sizes):
+    expect_error(["--model", "tiny", "--batch_sizes", sizes], "--batch_sizes", main=bench.main)
