@@ -587,8 +587,8 @@ def one_prompt(prompt_tokens) -> list:
         prompt_tokens = prompt_tokens.tolist() if prompt_tokens.ndim == 1 else [prompt_tokens.tolist()]
     prompt_tokens = list(prompt_tokens)
     if not all(isinstance(t, int) for t in prompt_tokens):
-        raise EagletError("generate() takes one prompt, a list of token ids; several prompts at once (a batch) "
-                          "are not supported: call it once per prompt")
+        raise EagletError("generate() takes one prompt, a list of token ids; for several prompts at once (a batch) "
+                          "call generate_batch")
     return prompt_tokens
 
 

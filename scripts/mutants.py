@@ -167,6 +167,16 @@ MUTANTS = [
       "if g_idx is not None and not torch.equal(", "if False and not torch.equal("),
     M("conversion: the head's fc bias dropped", "convert_hf_checkpoint.py",
       'out["fc.bias"] = weights.pop("fc.bias")', 'weights.pop("fc.bias")'),
+    # several prompts at once
+    M("batch: a finished row's context still advanced", "generate.py",
+      "ctx_len = torch.where(torch.tensor([not d for d in done], device=device), next_ctx, ctx_len)",
+      "ctx_len = next_ctx"),
+    M("batch: every row's K/V written to the first row", "model.py",
+      "rows = torch.arange(bsz, device=k.device)[:, None]", "rows = torch.zeros(bsz, 1, dtype=torch.long)"),
+    M("batch: every row sees the first row's context length", "model.py",
+      "return (cols < ctx_len[:, None])[:, None] | seen", "return (cols < ctx_len[:1, None])[:, None] | seen"),
+    M("batch: a row's root paired one place too late in the catch-up", "generate.py",
+      ".scatter(1, (lengths - 1)[:, None], token[:, None])", ".scatter(1, lengths.clamp(max=padded.shape[1] - 1)[:, None], token[:, None])"),
     # tensor parallel
     M("tp: a row-parallel bias added on every rank", "tp.py",
       "t = t if rank == 0 else torch.zeros_like(t)", "t = t"),
