@@ -10,6 +10,11 @@ demo's, through each format's rounding), the weight bytes a token costs, and the
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
     python scripts/gpu_check.py --out g7 --skip_checks --skip_cycle_table --shapes llama2-7b --budget_s 330
     python scripts/gpu_check.py --out gk --quick --skip_checks --linear_kernels --int4_13b
+    python scripts/gpu_check.py --out gt --quick --skip_checks --tp1
+
+--tp1 runs the demo compiled under torchrun at world size 1 (the NCCL path of tensor parallelism, its
+all-reduces inside the CUDA-graphed cycle) and in one process, and compares tokens, accepted lengths and
+tokens/s.
 
 --linear_kernels times one bf16 / int8 / int4 g128 Linear of the 7B shape at 1 to 64 rows (does a kernel
 read its weights once, or once per tile of rows?); --int4_13b runs LLaMA-2-13B's shape in int4 g128 and
@@ -21,7 +26,6 @@ and say so. On a CPU (--device cpu) the same code runs as a smoke test on reduce
 import gc
 import json
 import logging
-import math
 import platform
 import sys
 import time
@@ -240,7 +244,6 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     target.setup_caches(1, args.max_seq_length)
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
-    precision = str(target.tok_embeddings.weight.dtype).removeprefix("torch.")
     out = {"weights": generate.weights_format(target),
            "weights_GB": generate.weight_bytes(target) / 1e9}
     if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
@@ -438,6 +441,32 @@ def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: lis
                        tree, prompt, 48)
 
 
+def tensor_parallel_1(out: Path, device: str) -> dict:
+    """The demo compiled under torchrun at world size 1 against one process: same tokens, both speeds."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    flags = ["generate.py", "--compile", "--device", device, "--max_new_tokens", "128", "--num_samples", "3"]
+    runs = {"one process": [sys.executable] + flags,
+            "torchrun, 1 rank": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] + flags}
+    result = {}
+    for name, command in runs.items():
+        path = out / f"tp1_{name.split(',')[0].replace(' ', '_')}.json"
+        done = subprocess.run(command + ["--json_out", str(path)], cwd=root, capture_output=True, text=True,
+                              timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"{name} failed: {(done.stderr or done.stdout)[-1500:]}")
+        written = json.loads(path.read_text())
+        result[name] = {"tokens_per_s_mean": written["tokens_per_s_mean"], "tau": written["tau"],
+                        "tokens": written["samples"][0]["tokens"],
+                        "accept_lengths": written["samples"][0]["accept_lengths"]}
+    one, tp1 = result["one process"], result["torchrun, 1 rank"]
+    result["same tokens and accepted lengths"] = one["tokens"] == tp1["tokens"] and \
+        one["accept_lengths"] == tp1["accept_lengths"]
+    for row in (one, tp1):
+        del row["tokens"], row["accept_lengths"]
+    return result
+
+
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out", type=Path, default=Path("gpu_results"), help="folder for results.json and results.md")
@@ -460,6 +489,8 @@ def parse_args(argv=None):
                         "(on CPU one tiny shape, a smoke test)")
     p.add_argument("--int4_13b", action="store_true",
                    help="LLaMA-2-13B's shape in int4 g128: speed and peak GPU memory (CUDA only; skipped on CPU)")
+    p.add_argument("--tp1", action="store_true",
+                   help="the demo compiled under torchrun at world size 1 against one process (tensor parallel's path)")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -534,6 +565,10 @@ def main(argv=None):
         report.section("plain step at context 256: 512 vs 8192 cache slots", cache_size_section,
                        SHAPES[args.shapes[-1]], device, dtype)
         release_memory(device)
+    if args.tp1:
+        release_memory(device)
+        report.section("tensor parallel at world size 1 (torchrun) against one process", tensor_parallel_1, args.out,
+                       device)
     if args.int4_13b:
         report.section("llama2-13b int4 g128 (inflated demo): speed and peak memory", int4_13b, device, dtype, prompt,
                        args)
