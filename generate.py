@@ -1085,6 +1085,12 @@ def main(argv=None):
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         group = tp.start(args.device)
         model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, load, args, group)
+        fewest = tp.smallest(group, rows)
+        if fewest < rows:  # the ranks' free memory differs: every rank runs the same batches
+            rows = fewest
+            model.setup_caches(rows, model.max_seq_length)
+            if draft is not None:
+                draft.setup_caches(model.max_seq_length, rows)
         if draft is not None and args.total_tokens == "auto":  # timed on each rank, rank 0's choice for all
             tree = replace(tree, total_tokens=tp.rank0_value(group, pick_total_tokens(model, tree)))
         describe(args, model, draft, tree)

@@ -99,6 +99,15 @@ def agreed(group, fn: Callable, *args, **kwargs):
     return result
 
 
+def smallest(group, value: int) -> int:
+    """The smallest of the ranks' values (rows the caches of every rank can hold)."""
+    if group is None:
+        return value
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, value, group=group)
+    return min(every)
+
+
 def rank0_value(group, value):
     """Rank 0's value on every rank (a choice made from timings, which differ a little between ranks)."""
     if group is None:

@@ -61,7 +61,8 @@ def cases(targets) -> list:
             dict(target=demo, head=head, prompts=code[:1], max_new_tokens=40, temperature=0.8, seed=3),
             dict(target=str(targets["demo_int8"]), head=head, prompts=code[:2], max_new_tokens=30),
             dict(target=str(targets["demo_int4"]), head=None, prompts=code[:2], max_new_tokens=30),
-            dict(target=str(targets["demo_int4"]), head=head3, prompts=code[:2], max_new_tokens=30)] + \
+            dict(target=str(targets["demo_int4"]), head=head3, prompts=code[:2], max_new_tokens=30),
+            dict(target=demo, head=head, prompts=code, max_new_tokens=40, batch=True)] + \
         [dict(target=str(targets[kind]), head=None, prompts=small, max_new_tokens=16)
          for kind in ("llama_bias", "qwen2", "qwen3")] + \
         [dict(target=demo, head=None, prompts=code[:1], max_new_tokens=20, perturb="lm_head"),
@@ -85,6 +86,7 @@ def test_tensor_parallel_equals_one_process(targets, tmp_path):
         emitted = [n for r in spec for n in r["accept_lengths"]]
         assert sum(emitted) / len(emitted) > 2  # the heads' trees were accepted deep: the cycle really ran
     assert [r["tokens"] for r in sharded[6]] == [r["tokens"] for r in sharded[5]]  # int4: speculative == plain
+    assert sharded[7] == eagle2  # the prompts decoded together under tensor parallel: each as alone
     assert sharded[3][0]["tokens"] != plain[0]["tokens"]  # the sampled case sampled
 
 
