@@ -544,7 +544,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
         pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
         h_last = catch_up(model, draft, pairs, features, torch.zeros_like(lengths), lengths - 1)
-    done = [False] * len(prompts)
+    done, live, n_live = [False] * len(prompts), None, -1
     while True:
         for b in range(len(prompts)):
             if not done[b]:
@@ -556,8 +556,10 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         if all(done):
             break
         # A row that is done stays at the context its last step started from: below its end, so the steps
-        # it still takes (their outputs ignored) write inside its cache.
-        ctx_len = torch.where(torch.tensor([not d for d in done], device=device), next_ctx, ctx_len)
+        # it still takes (their outputs ignored) write inside its cache. (The mask is sent only when it changes.)
+        if n_live != done.count(False):
+            n_live, live = done.count(False), torch.tensor([not d for d in done], device=device)
+        ctx_len = torch.where(live, next_ctx, ctx_len)
         if draft is None:
             token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
             next_ctx = ctx_len + 1
