@@ -13,6 +13,7 @@ some with flags that change the math (Eagle3Flags).
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,7 @@ class DraftHead(nn.Module):
         super().__init__()
         self.args = args
         self.rope = None
+        self.kv_cache: Optional[KVCache] = None  # set by setup_caches
         self.max_seq_length = 0
         self.feature_layers: tuple = ()
         self.register_buffer("draft_to_target", None, persistent=False)  # [draft vocab] target ids; None: all
@@ -52,12 +54,18 @@ class DraftHead(nn.Module):
     def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
         weight = self.layer.ffn_norm.weight  # float in every format (fc may be int8): the activations' dtype
         self.max_seq_length = max_seq_length
-        self.layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.args.n_local_heads,
-                                                self.args.head_dim, weight.dtype).to(weight.device)
+        self.layer.attention.kv_cache = None
+        self.kv_cache = KVCache(1, max_batch_size, max_seq_length, self.args.n_local_heads, self.args.head_dim,
+                                weight.dtype).to(weight.device)
+        self.layer.attention.kv_cache = self.kv_cache.layer(0)
         self.setup_rope(max_seq_length)
 
     def topk(self, target: Transformer, h: Tensor, k: int):
-        logp, ids = torch.log_softmax(self.logits(target, h).float(), dim=-1).topk(k, dim=-1)
+        # Top-k of the raw logits, log-probabilities from their log-sum-exp: log_softmax shifts each row by one
+        # constant, so the same tokens win, without writing a float32 [rows, vocab] copy to pick them from.
+        logits = self.logits(target, h)
+        values, ids = logits.topk(k, dim=-1)
+        logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         return logp, ids if self.draft_to_target is None else self.draft_to_target[ids]
 
 

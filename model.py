@@ -164,34 +164,52 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache(nn.Module):
-    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
+    """Every layer's keys and values in one buffer [n_layer, 2, B, H, S, D]: moving an accepted tree path into
+    place is one gather and one scatter for all layers, not a pair per layer and per K and V."""
+    def __init__(self, n_layer, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
         super().__init__()
-        shape = (max_batch_size, n_heads, max_seq_length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        shape = (n_layer, 2, max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def layer(self, i: int) -> "LayerCache":
+        return LayerCache(self, i)
+
+    def compact(self, src_slots: Tensor, dst_slots: Tensor):
+        """K/V of every layer moved from src_slots to dst_slots: [n] in every row, or [B, n] per row. The source
+        is read whole before anything is written, so overlapping ranges are safe."""
+        if src_slots.ndim == 1:
+            self.kv.index_copy_(4, dst_slots, self.kv.index_select(4, src_slots))
+        else:
+            rows = torch.arange(src_slots.shape[0], device=src_slots.device)[:, None]
+            self.kv[:, :, rows, :, dst_slots] = self.kv[:, :, rows, :, src_slots]
+
+
+class LayerCache:
+    """One layer's part of a KVCache (what its Attention writes and reads). A plain object, not a module: the
+    compiled graph sees the one shared buffer, never 2 x n_layer aliasing views of it."""
+    def __init__(self, cache: KVCache, layer: int):
+        self.cache, self.index = cache, layer
+
+    @property
+    def k_cache(self) -> Tensor:  # [B, H, S, D]
+        return self.cache.kv[self.index, 0]
+
+    @property
+    def v_cache(self) -> Tensor:
+        return self.cache.kv[self.index, 1]
 
     def update(self, cache_slots: Tensor, k: Tensor, v: Tensor):
         """k, v [B, H, T, D] to cache_slots: [T], the same slots in every row, or [B, T], each row its own."""
         bsz = k.shape[0]
+        k_cache, v_cache = self.k_cache, self.v_cache
         if cache_slots.ndim == 1:
-            self.k_cache[:bsz].index_copy_(2, cache_slots, k)
-            self.v_cache[:bsz].index_copy_(2, cache_slots, v)
+            k_cache[:bsz].index_copy_(2, cache_slots, k)
+            v_cache[:bsz].index_copy_(2, cache_slots, v)
         else:
             rows = torch.arange(bsz, device=k.device)[:, None]
-            self.k_cache[rows, :, cache_slots] = k.transpose(1, 2)  # indexed [B, T, H, D]
-            self.v_cache[rows, :, cache_slots] = v.transpose(1, 2)
-        return self.k_cache[:bsz], self.v_cache[:bsz]
-
-    def compact(self, src_slots: Tensor, dst_slots: Tensor):
-        """K/V moved from src_slots to dst_slots: [n] in every row, or [B, n] per row. The source is read whole
-        before anything is written, so overlapping ranges are safe."""
-        if src_slots.ndim == 1:
-            self.k_cache.index_copy_(2, dst_slots, self.k_cache.index_select(2, src_slots))
-            self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))
-        else:
-            rows = torch.arange(src_slots.shape[0], device=src_slots.device)[:, None]
-            self.k_cache[rows, :, dst_slots] = self.k_cache[rows, :, src_slots]
-            self.v_cache[rows, :, dst_slots] = self.v_cache[rows, :, src_slots]
+            k_cache[rows, :, cache_slots] = k.transpose(1, 2)  # indexed [B, T, H, D]
+            v_cache[rows, :, cache_slots] = v.transpose(1, 2)
+        return k_cache[:bsz], v_cache[:bsz]
 
 
 QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
@@ -360,7 +378,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.kv_cache: Optional[KVCache] = None
+        self.kv_cache: Optional[LayerCache] = None  # set by setup_caches
         self.tp_group = None  # tensor parallel (tp.py): this rank holds some heads; wo's output is a partial sum
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
@@ -522,6 +540,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope: Optional[RotaryTable] = None
+        self.kv_cache: Optional[KVCache] = None  # every layer's K/V, set by setup_caches
         self.max_seq_length = 0
         self.feature_layers: tuple = ()  # set by an EAGLE-3 head: the layers whose input it reads
         self.quantization: Optional[dict] = None  # a quantized checkpoint's record (mode, groupsize, ...)
@@ -550,10 +569,12 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight  # float in every format: the activations' dtype
         self.max_seq_length = max_seq_length
         n_kv = self.layers[0].attention.n_kv  # this rank's K/V heads (all of them unless tensor parallel)
+        for layer in self.layers:  # the old cache's memory is free before the new one is allocated
+            layer.attention.kv_cache = None
+        self.kv_cache = None
         try:
-            for layer in self.layers:
-                layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, n_kv, args.head_dim,
-                                                   weight.dtype).to(weight.device)
+            self.kv_cache = KVCache(len(self.layers), max_batch_size, max_seq_length, n_kv, args.head_dim,
+                                    weight.dtype).to(weight.device)
         except RuntimeError as e:  # CUDA's OutOfMemoryError, or the CPU allocator's refusal
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
@@ -561,6 +582,8 @@ class Transformer(nn.Module):
                 * weight.element_size() / 1e9
             raise EagletError(f"a KV cache of {max_seq_length} slots ({kv_gb:.1f} GB) does not fit in memory on "
                               f"{weight.device}: a smaller --max_seq_length needs less")
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = self.kv_cache.layer(i)
         self.setup_rope(max_seq_length)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor,
@@ -591,8 +614,7 @@ class Transformer(nn.Module):
 
     def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
         """Copy K/V from src_slots to dst_slots in every layer, in place (accepted tree path -> context)."""
-        for layer in self.layers:
-            layer.attention.kv_cache.compact(src_slots, dst_slots)
+        self.kv_cache.compact(src_slots, dst_slots)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=torch.float32) -> "Transformer":

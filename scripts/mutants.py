@@ -88,8 +88,11 @@ MUTANTS = [
     # compaction
     M("compaction: source and destination swapped", "generate.py",
       "target.compact_kv(start + path, start + steps)", "target.compact_kv(start + steps, start + path)"),
-    M("compaction: values not moved", "model.py",
-      "        self.v_cache.index_copy_(2, dst_slots, self.v_cache.index_select(2, src_slots))\n", ""),
+    M("compaction: only the keys moved", "model.py",
+      "self.kv.index_copy_(4, dst_slots, self.kv.index_select(4, src_slots))",
+      "self.kv[:, :1].index_copy_(4, dst_slots, self.kv[:, :1].index_select(4, src_slots))"),
+    M("draft top-k: scores not normalised (raw logits rank the tree)", "draft.py",
+      "logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)", "logp = values.float()"),
     # sampling
     M("sampling: top-p drops the token that crosses it", "generate.py",
       "drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p", "drop = sorted_probs.cumsum(-1) >= sampling.top_p"),
