@@ -436,12 +436,13 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
 def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
              draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
-             step_fn: Optional[Callable] = None) -> GenerationResult:
+             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
     decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
     step; if it returns a number, that many of them are kept and generation ends (stop strings).
+    run_ahead (default: on CUDA) queues step k+1 before reading step k's tokens (see run_calls).
     """
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
@@ -457,31 +458,64 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
     tokens, accept_lengths = [], []
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
-    done = emit([token.item()])
-    ctx_len = torch.tensor(len(prompt_tokens), device=device)
-    if draft is not None:
-        step_fn = step_fn or speculative_cycle
-        # The draft reads the prompt's pairs (f_t, x_{t+1}), the last one pairing with the root.
-        pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], dtype=torch.long, device=device), token.view(1)])
-        h_last = catch_up(model, draft, pairs, features[0], torch.tensor(first, device=device),
-                          torch.tensor(len(pairs) - 1, device=device))
-    while not done:
+    if not emit([token.item()]):
+        ctx_len = torch.tensor(len(prompt_tokens), device=device)
         if draft is None:
-            filled = {} if step_fn else {"filled": len(prompt_tokens) + len(tokens)}  # compiled: fixed shapes
-            token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **filled).clone()
-            ctx_len += 1
-            new = [check_agreed(token.item())]
+            call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
         else:
-            emitted, n_accepted, token, ctx_len, h_last = [
-                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
-            out = torch.cat([n_accepted.view(1), emitted]).tolist()  # the one host sync of the cycle
-            new = out[1:check_agreed(out[0]) + 2]
-        n_before = len(tokens)
-        done = emit(new)
-        if draft is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens do not count
-            accept_lengths.append(len(tokens) - n_before)
+            # The draft reads the prompt's pairs (f_t, x_{t+1}), the last one pairing with the root.
+            pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], dtype=torch.long, device=device), token.view(1)])
+            h_last = catch_up(model, draft, pairs, features[0], torch.tensor(first, device=device),
+                              torch.tensor(len(pairs) - 1, device=device))
+            call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
+            widest = tree.levels
+        ahead = device.type == "cuda" if run_ahead is None else run_ahead
+        run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest,
+                  tree.scratch if draft else 1, model.max_seq_length, ahead,
+                  accept_lengths if draft is not None else None)
     device_sync(device)
     return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+
+
+def plain_call(model, sampling, step_fn, state, filled: int):
+    """One plain step queued on the device: (what the host reads: [the token], the next state)."""
+    token, ctx_len = state
+    eager = {} if step_fn else {"filled": filled + 1}  # compiled: fixed shapes; eager: attend over what is filled
+    token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **eager).clone()
+    return token.view(1), (token, ctx_len + 1)
+
+
+def cycle_call(model, draft, tree, sampling, step_fn, state, filled: int):
+    """One speculative cycle queued on the device: ([accepted drafts, emitted tokens...], the next state). The
+    outputs are cloned: a CUDA-graph replay of the next cycle overwrites its static outputs."""
+    emitted, n_accepted, token, ctx_len, h_last = [t.clone() for t in (step_fn or speculative_cycle)(
+        model, draft, *state, tree, sampling)]
+    return torch.cat([n_accepted.view(1), emitted]), (token, ctx_len, h_last)
+
+
+def run_calls(call: Callable, state, n_prompt: int, tokens: list, emit: Callable, max_new_tokens: int, widest: int,
+              scratch: int, max_seq_length: int, ahead: bool, accept_lengths: Optional[list]):
+    """Steps or cycles until emit() says done, each read back to the host once (the one sync per call).
+
+    Run ahead: call k+1 is queued (from call k's outputs, still on the device) before call k's tokens are read,
+    so the GPU is not idle while the host reads, streams and checks them. When call k ends the generation (EOS,
+    max_new_tokens, a stop string) call k+1 is thrown away: its tokens are never read and what it wrote lies
+    past the kept context. It is queued only when call k may not end it and when it surely fits in the cache."""
+    pending, state = call(state, n_prompt + len(tokens) - 1)
+    while True:
+        ctx = n_prompt + len(tokens) - 1  # the context call k starts from (its root is not in the cache yet)
+        queued = None
+        if ahead and max_new_tokens - len(tokens) > 1 and ctx + widest + scratch <= max_seq_length:
+            queued = call(state, ctx + widest)  # its context is at most call k's plus what call k emits
+        out = pending.tolist()
+        new = [check_agreed(out[0])] if accept_lengths is None else out[1:check_agreed(out[0]) + 2]
+        n_before = len(tokens)
+        done = emit(new)
+        if accept_lengths is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens don't count
+            accept_lengths.append(len(tokens) - n_before)
+        if done:
+            return
+        pending, state = queued or call(state, n_prompt + len(tokens) - 1)
 
 
 def check_agreed(value: int) -> int:

@@ -93,6 +93,13 @@ MUTANTS = [
       "self.kv[:, :1].index_copy_(4, dst_slots, self.kv[:, :1].index_select(4, src_slots))"),
     M("draft top-k: scores not normalised (raw logits rank the tree)", "draft.py",
       "logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)", "logp = values.float()"),
+    # running ahead
+    M("run ahead: the queued call's context not advanced (eager attention misses the newest slot)", "generate.py",
+      "queued = call(state, ctx + widest)", "queued = call(state, ctx)"),
+    M("run ahead: queued even where it may not fit in the cache", "generate.py",
+      "and ctx + widest + scratch <= max_seq_length:", ":"),
+    M("run ahead: never (every call waits for the host)", "generate.py",
+      "ahead = device.type == \"cuda\" if run_ahead is None else run_ahead", "ahead = False"),
     # sampling
     M("sampling: top-p drops the token that crosses it", "generate.py",
       "drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p", "drop = sorted_probs.cumsum(-1) >= sampling.top_p"),
