@@ -432,6 +432,10 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     return emitted, n_accepted, bonus, next_ctx, h_last
 
 
+# EAGLET_RUN_AHEAD=0 turns running ahead off (an A/B for measuring it; see run_calls).
+RUN_AHEAD = os.environ.get("EAGLET_RUN_AHEAD", "1") != "0"
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
@@ -442,7 +446,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
     decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
     step; if it returns a number, that many of them are kept and generation ends (stop strings).
-    run_ahead (default: on CUDA) queues step k+1 before reading step k's tokens (see run_calls).
+    run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
+    (see run_calls).
     """
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
@@ -469,7 +474,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                               torch.tensor(len(pairs) - 1, device=device))
             call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
-        ahead = device.type == "cuda" if run_ahead is None else run_ahead
+        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
         run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest,
                   tree.scratch if draft else 1, model.max_seq_length, ahead,
                   accept_lengths if draft is not None else None)

@@ -99,7 +99,7 @@ MUTANTS = [
     M("run ahead: queued even where it may not fit in the cache", "generate.py",
       "and ctx + widest + scratch <= max_seq_length:", ":"),
     M("run ahead: never (every call waits for the host)", "generate.py",
-      "ahead = device.type == \"cuda\" if run_ahead is None else run_ahead", "ahead = False"),
+      "ahead = device.type == \"cuda\" and RUN_AHEAD if run_ahead is None else run_ahead", "ahead = False"),
     # sampling
     M("sampling: top-p drops the token that crosses it", "generate.py",
       "drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p", "drop = sorted_probs.cumsum(-1) >= sampling.top_p"),

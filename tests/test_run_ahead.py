@@ -98,7 +98,8 @@ def test_a_tight_cache_is_never_overrun(demo, speculative):
     _, draft, prompts = demo
     tree = TreeConfig(6, 10, 60)
     prompt, n = prompts[2], 30
-    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", len(prompt) + n + (tree.scratch if speculative else 0))
+    cache = len(prompt) + n + (tree.scratch if speculative else 0)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", cache)
     kwargs = {}
     if speculative:
         draft = load_draft(DEMO / "head" / "draft.pth", target)
