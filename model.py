@@ -457,7 +457,8 @@ def decode_block_mask(input_pos: Tensor, n_kv: int) -> BlockMask:
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= input_pos[0]
 
-    return block_mask(causal_mask(input_pos, n_kv), mask_mod)
+    return block_mask(boolean_mask(input_pos[0], torch.ones(1, 1, dtype=torch.bool, device=input_pos.device), n_kv),
+                      mask_mod)
 
 
 # EAGLET_FLEX=0 turns the block mask off: compiled CUDA decoding then attends over the whole cache, as on CPU
@@ -785,6 +786,11 @@ def attention_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tenso
     """
     if split_attention_on(block.device):
         return SplitMask(ctx_len, block, max_seq_length)
+    return boolean_mask(ctx_len, block, max_seq_length)
+
+
+def boolean_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tensor:
+    """attention_mask's booleans, whether split attention is on or not."""
     cols = torch.arange(max_seq_length, device=block.device)
     if ctx_len.ndim == 1:
         rel = cols - ctx_len[:, None]  # [B, L]

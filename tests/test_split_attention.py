@@ -141,6 +141,31 @@ def test_split_attention_is_off_by_default():
     assert isinstance(attention_mask(torch.tensor(3), causal_block(2), 8), torch.Tensor)
 
 
+def test_decoding_keeps_its_block_mask_with_split_attention_on(split_on):
+    """One-token decoding keeps decode_block_mask (its BlockMask is built from the boolean mask), and its
+    attention is the boolean mask's."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from model import attend, boolean_mask, decode_block_mask
+    bm = decode_block_mask(torch.tensor([KV_BLOCK + 1]), SLOTS)
+    assert isinstance(bm, BlockMask)
+    q, k, v = inputs(HEADS["GQA 8/2"], 1, torch.float32)
+    expected = reference(q, k, v, boolean_mask(torch.tensor(KV_BLOCK + 1), causal_block(1), SLOTS))
+    torch.testing.assert_close(torch.compile(attend, fullgraph=True)(q, k, v, bm), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_flex_probe_split_cases_run_on_cpu(capsys):
+    """scripts/flex_probe.py --split on CPU (a smoke test of the GPU session's command): a line per case; CPU
+    inductor has no flex log-sum-exp, but the whole split attention compiles there, equal to masked SDPA."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import flex_probe
+    lines = flex_probe.main(["--device", "cpu", "--split", "--slots", "512", "--queries", "10", "--layouts", "32/8"])
+    assert len(lines) == len(flex_probe.SPLIT_OPTIONS) + 2 and all(line[:4] in ("OK  ", "FAIL") for line in lines)
+    whole = [line for line in lines if line.startswith("OK   split attention 32/8 T=10 slots=512")]
+    assert len(whole) == 2 and all("max err 0.0000" in line for line in whole)
+
+
 @pytest.fixture
 def split_on(monkeypatch):
     """Split attention forced on in eager CPU code; returns a list that grows with each split call."""
