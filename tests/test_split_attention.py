@@ -200,15 +200,14 @@ def run_demo(target, draft, prompts, n_tokens=40, step_fn=None):
 
 def test_generate_with_split_attention_equals_without(demo, split_on):
     """Greedy EAGLE-2 on the demo: the same tokens and accepted lengths with split attention in every call of
-    the cycle (verify 60, frontier 10, catch-up 8) and prefill as with the boolean masks, and plain's tokens."""
+    the cycle (verify 60, frontier 10, catch-up 8) and prefill as with the boolean masks."""
     target, draft, prompts = demo
     split = run_demo(target, draft, prompts)
     assert {60, 10, 8} <= set(split_on)
     model.SPLIT_ATTENTION = False
     masked = run_demo(target, draft, prompts)
-    for p, s, m in zip(prompts, split, masked):
-        assert s.tokens == m.tokens == generate.generate(target, p, 40, generate.SamplingConfig()).tokens
-        assert s.accept_lengths == m.accept_lengths
+    for s, m in zip(split, masked):  # (masked speculative == plain decoding: test_speculative.py, test_demo.py)
+        assert s.tokens == m.tokens and s.accept_lengths == m.accept_lengths
     assert max(a for s in split for a in s.accept_lengths) > 2  # drafts were accepted, several deep
 
 
