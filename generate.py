@@ -409,7 +409,9 @@ def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: T
     """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
     fixed count; returns its output for the last real pair."""
     pos = ctx_len[..., None] + torch.arange(emitted.shape[-1], device=ctx_len.device)
-    h = draft.step(target, emitted, features, pos, pos, causal_mask(pos, draft.max_seq_length))
+    causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=ctx_len.device).tril()
+    # causal_mask(pos, ...) built from ctx_len itself: split attention's flex mask_mod reads it, a graph input
+    h = draft.step(target, emitted, features, pos, pos, attention_mask(ctx_len, causal, draft.max_seq_length))
     return take(h, n_accepted[..., None])[..., 0, :]
 
 
