@@ -117,3 +117,36 @@ def test_inflated_head3_folder_runs_through_the_cli(tmp_path, monkeypatch):
         runs[name] = read_generation(out)
     assert runs["inflated"]["tokens"] == runs["demo"]["tokens"]
     assert runs["inflated"]["accept_lengths"] == runs["demo"]["accept_lengths"]
+
+
+@pytest.mark.slow
+def test_gpu_check_eagle3_runs_on_cpu(tmp_path, monkeypatch):
+    """gpu_check --eagle3 as a CPU smoke test on a small shape (8 layers, 5000 tokens: the head's feature
+    layers moved, its draft vocabulary padded): beside EAGLE-2, the EAGLE-3 cycle phase by phase and end to
+    end, lossless, with the demo head3's tau. The steps run eagerly (compile_step patched out) and the
+    profiler's kernel tables are left out, to keep it short: test_bench.py's formats test runs those."""
+    import bench
+    import gpu_check
+    monkeypatch.setitem(gpu_check.SHAPES, "small-test", dict(
+        vocab_size=5000, hidden_size=320, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024))
+    for module in (bench, generate):
+        monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
+    monkeypatch.setattr(bench, "kernel_table", lambda fn, device: {})
+    gpu_check.main(["--skip_checks", "--device", "cpu", "--shapes", "small-test", "--formats", "bf16", "--eagle3",
+                    "--out", str(tmp_path / "g"), "--repeats", "1", "--side_tokens", "12", "--depth", "2",
+                    "--tree_topk", "3", "--total_tokens", "8", "--max_seq_length", "256"])
+    results = json.loads((tmp_path / "g" / "results.json").read_text())
+    assert not [name for name, r in results.items() if "error" in r], results
+    small = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 256)
+    expected = generate.generate(small, Tokenizer(DEMO / "target").encode(gpu_check.PROMPT), 12, GREEDY,
+                                 draft=load_draft(DEMO / "head3" / "draft.pth", small), tree=TreeConfig(2, 3, 8))
+    row = results["small-test (inflated demo): formats side by side"]["bf16"]
+    assert row["eagle3_tau"] == expected.tau > 1.5
+    assert row["eagle3_same_tokens_as_plain"] and row["eagle2_same_tokens_as_plain"]
+    measured = results["small-test bf16 (inflated demo)"]
+    eagle3 = measured["EAGLE-3"]
+    assert eagle3["feature_layers"] == [1, 3, 7] and eagle3["draft_vocab"] == 5000
+    assert eagle3["side_by_side"]["eaglet EAGLE-3"]["tokens_per_s"] > 0
+    assert set(eagle3["cycle"]["phases"]) == set(measured["cycle"]["phases"])  # next to EAGLE-2's
+    assert all(phase["ms"] > 0 for phase in eagle3["cycle"]["phases"].values())
