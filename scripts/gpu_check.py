@@ -238,15 +238,19 @@ def eagle_bytes(target, draft, tree: TreeConfig, side: dict) -> dict:
             "weight_GB_per_token": per_token_gb, "GB_per_s": per_token_gb * spec["tokens_per_s"]}
 
 
-def measure_format(source: Transformer, draft, draft3, fmt: str, copy_bw: float, prompt: list, args,
-                   first: bool) -> dict:
-    """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
-    end to end, and the tree size --total_tokens auto picks (verify costs differ by format); the same for the
-    EAGLE-3 head draft3 unless it is None."""
+def format_ready(source: Transformer, fmt: str, args) -> Transformer:
+    """The target in this format with its KV cache, compiled as generate.compile_settings would."""
     target = format_target(source, fmt)
     # as generate.compile_settings: coordinate-descent tuning for quantized weights (global: reset per format)
     torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent or target.quantization is not None
     target.setup_caches(1, args.max_seq_length)
+    return target
+
+
+def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt: list, args, first: bool) -> dict:
+    """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
+    end to end, and the tree size --total_tokens auto picks (verify costs differ by format)."""
+    target = format_ready(source, fmt, args)
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     out = {"weights": generate.weights_format(target),
@@ -271,18 +275,17 @@ def measure_format(source: Transformer, draft, draft3, fmt: str, copy_bw: float,
     timings = []
     out["total_tokens_auto"] = generate.pick_total_tokens(target, tree, log=timings.append)
     out["total_tokens_auto_log"] = timings[-1]  # the verify's ms at each tree size
-    if draft3 is not None:
-        out["EAGLE-3"] = measure_eagle3(target, draft3, tree, out["plain"]["step_ms"] / 1e3, copy_bw, prompt, args,
-                                        first)
     return out
 
 
-def measure_eagle3(target: Transformer, draft3, tree: TreeConfig, plain_step_s: float, copy_bw: float,
-                   prompt: list, args, first: bool) -> dict:
-    """The EAGLE-3 head on the same target weights and tree as EAGLE-2: its cycle phase by phase (if first),
-    plain vs EAGLE-3 end to end, the weight bytes a token costs (its own lm_head over its draft vocabulary).
-    The target returns the three feature layers the head reads from here on (measure_format resets them)."""
+def measure_eagle3(source: Transformer, draft3, fmt: str, plain_step_s: float, copy_bw: float, prompt: list, args,
+                   first: bool) -> dict:
+    """The EAGLE-3 head on the same target weights and tree as EAGLE-2 (measure_format's): its cycle phase by
+    phase (if first), plain vs EAGLE-3 end to end, the weight bytes a token costs (its own lm_head over its
+    draft vocabulary). plain_step_s: measure_format's plain step, the unit of the cycle's phases."""
+    target = format_ready(source, fmt, args)
     target.set_feature_layers(draft3.feature_layers)
+    tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     device = str(target.output.weight.device)
     out = {"feature_layers": list(draft3.feature_layers), "draft_vocab": draft3.vocab_size}
     if first and not args.skip_cycle_table:
@@ -295,8 +298,8 @@ def measure_eagle3(target: Transformer, draft3, tree: TreeConfig, plain_step_s: 
     return out
 
 
-def format_row(result: dict) -> dict:
-    """One format's line of the side-by-side table (or why it has none)."""
+def format_row(result: dict, eagle3: dict) -> dict:
+    """One format's line of the side-by-side table (or why it has none); eagle3: its EAGLE-3 section's."""
     if "plain" not in result:
         return {k: result[k] for k in ("skipped", "error") if k in result}
     plain = result["plain"]
@@ -310,12 +313,14 @@ def format_row(result: dict) -> dict:
                     "eagle2_over_plain_end_to_end": spec["over_plain_end_to_end"],
                     "eagle2_weight_GB_per_token": spec["weight_GB_per_token"], "eagle2_GB_per_s": spec["GB_per_s"],
                     "total_tokens_auto": result["total_tokens_auto"]})
-    if "EAGLE-3" in result:
-        spec = result["EAGLE-3"]["end_to_end"]
+    if "end_to_end" in eagle3:
+        spec = eagle3["end_to_end"]
         row.update({"eagle3_tokens_per_s": spec["tokens_per_s"], "eagle3_tau": spec["tau"],
                     "eagle3_same_tokens_as_plain": spec["same_tokens_as_plain"],
                     "eagle3_over_plain_end_to_end": spec["over_plain_end_to_end"],
                     "eagle3_weight_GB_per_token": spec["weight_GB_per_token"]})
+    elif eagle3:  # skipped (time budget) or failed
+        row["eagle3"] = {k: eagle3[k] for k in ("skipped", "error") if k in eagle3}
     return row
 
 
@@ -331,10 +336,15 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
     copy_bw = bench.copy_bandwidth(device)
     rows = {}
     for i, fmt in enumerate(args.formats):
-        result = report.section(f"{name} {fmt} (inflated demo)", measure_format, source, draft, draft3, fmt, copy_bw,
-                                prompt, args, first and i == 0)
-        rows[fmt] = format_row(result)
+        result = report.section(f"{name} {fmt} (inflated demo)", measure_format, source, draft, fmt, copy_bw, prompt,
+                                args, first and i == 0)
         release_memory(device)
+        eagle3 = {}
+        if draft3 is not None and "EAGLE-2" in result:  # its own section: EAGLE-2's is written first
+            eagle3 = report.section(f"{name} {fmt} EAGLE-3 (inflated demo)", measure_eagle3, source, draft3, fmt,
+                                    result["plain"]["step_ms"] / 1e3, copy_bw, prompt, args, first and i == 0)
+            release_memory(device)
+        rows[fmt] = format_row(result, eagle3)
     return rows
 
 
