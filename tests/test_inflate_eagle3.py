@@ -104,7 +104,8 @@ def test_inflated_head3_folder_runs_through_the_cli(tmp_path, monkeypatch):
     inflate_demo.main(["--shape", "reduced-test", "--out_dir", str(tmp_path / "big"), "--device", "cpu"])
     config = json.loads((tmp_path / "big" / "head3" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 512
-    assert config["draft_vocab_size"] == 8000 and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]
+    assert config["draft_vocab_size"] == 8000  # DRAFT_VOCAB capped at the target's vocabulary
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]
     target = load_target(tmp_path / "big" / "target", "cpu", "fp32")
     head3 = load_draft(tmp_path / "big" / "head3", target)
     assert target.feature_layers == head3.feature_layers == (1, 3, 7)
