@@ -228,11 +228,12 @@ def inflate_head3(demo_dir: Path, target: Transformer, draft_vocab_size: int = 0
         raise EagletError(f"a draft vocabulary of {draft_vocab_size} cannot hold the demo head's {small_vocab} "
                           f"entries within the target's {b.vocab_size} tokens")
     ids = [target_lay.wide_input(j) - 1 for j in small.feature_layers]  # layer outputs: id k = input of k + 1
-    config = {**read_config(demo_dir / "head3"), "hidden_size": b.dim, "num_attention_heads": b.n_head,
+    small_config = read_config(demo_dir / "head3")
+    config = {**small_config, "hidden_size": b.dim, "num_attention_heads": b.n_head,
               "num_key_value_heads": b.n_local_heads, "head_dim": b.head_dim,
               "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
               "max_position_embeddings": b.max_position_embeddings, "draft_vocab_size": draft_vocab_size,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+              "eagle_config": {**(small_config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": ids}}
     config.pop("rope_scaling", None)
     lay = Layout(small.args, ModelArgs.from_hf_config({"model_type": "llama", **config}))
     config.update({"rope_theta": lay.rope_theta, "rms_norm_eps": lay.eps(small.args.norm_eps)})

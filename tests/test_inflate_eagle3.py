@@ -96,6 +96,20 @@ def test_padded_draft_vocab_never_wins():
         inflate_demo.inflate_head3(DEMO, target, 4000)
 
 
+def test_bf16_head3_rounds_the_fp32_one_once():
+    """On CUDA the head is built in the target's bf16: every weight is the fp32 build rounded once, and the
+    draft vocabulary and feature layers are the same."""
+    target, _, _, _ = inflate_demo.inflate(DEMO, REDUCED["llama3-like"])
+    half_target, _, _, _ = inflate_demo.inflate(DEMO, REDUCED["llama3-like"], "cpu", torch.bfloat16)
+    exact, _ = inflate_demo.inflate_head3(DEMO, target, 6000)
+    half, _ = inflate_demo.inflate_head3(DEMO, half_target, 6000)
+    exact_params, half_params = dict(exact.named_parameters()), dict(half.named_parameters())
+    assert exact_params.keys() == half_params.keys()
+    for name, p in half_params.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, exact_params[name].to(torch.bfloat16)), name
+    assert torch.equal(half.draft_to_target, exact.draft_to_target) and half.feature_layers == exact.feature_layers
+
+
 @pytest.mark.slow
 def test_inflated_head3_folder_runs_through_the_cli(tmp_path, monkeypatch):
     """OUT_DIR/head3 next to OUT_DIR/head, loaded by load_draft and run by generate.py: the demo's tokens and
