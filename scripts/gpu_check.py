@@ -4,13 +4,16 @@ LLaMA-3-8B shapes, in each weight format of --formats side by side (bf16, and in
 memory from it): plain decoding against the copy bandwidth, one EAGLE-2 cycle against its bytes floor (the
 first format of the first shape), plain vs EAGLE-2 end to end on the same weights (real acceptance: the
 demo's, through each format's rounding), the weight bytes a token costs, and the tree size
---total_tokens auto picks for that format.
+--total_tokens auto picks for that format. --eagle3 adds the demo's EAGLE-3 head (demo/head3 inflated beside
+the EAGLE-2 head, its draft vocabulary padded to 32000 on LLaMA-3-8B's shape) on the same target weights: its
+cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the demo head3's tau.
 
     python scripts/gpu_check.py --out gpu_results --quick     # a first, short call: environment and checks
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
     python scripts/gpu_check.py --out g7 --skip_checks --skip_cycle_table --shapes llama2-7b --budget_s 330
     python scripts/gpu_check.py --out gk --quick --skip_checks --linear_kernels --int4_13b
     python scripts/gpu_check.py --out gt --quick --skip_checks --tp1
+    python scripts/gpu_check.py --out g3 --skip_checks --shapes llama3-8b --formats bf16 --eagle3
 
 --tp1 runs the demo compiled under torchrun at world size 1 (the NCCL path of tensor parallelism, its
 all-reduces inside the CUDA-graphed cycle) and in one process, and compares tokens, accepted lengths and
@@ -40,7 +43,7 @@ import bench  # noqa: E402
 import generate  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
-from inflate_demo import DEMO_DIR, SHAPES, inflate  # noqa: E402
+from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_head3  # noqa: E402
 import model  # noqa: E402
 from model import (QUANT_KEY, EagletError, Transformer, attention_mask, causal_mask, decode_block_mask,  # noqa: E402
                    pack_quantized, sdpa_inputs, use_quantized_linears)
@@ -235,13 +238,19 @@ def eagle_bytes(target, draft, tree: TreeConfig, side: dict) -> dict:
             "weight_GB_per_token": per_token_gb, "GB_per_s": per_token_gb * spec["tokens_per_s"]}
 
 
-def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt: list, args, first: bool) -> dict:
-    """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
-    end to end, and the tree size --total_tokens auto picks (verify costs differ by format)."""
+def format_ready(source: Transformer, fmt: str, args) -> Transformer:
+    """The target in this format with its KV cache, compiled as generate.compile_settings would."""
     target = format_target(source, fmt)
     # as generate.compile_settings: coordinate-descent tuning for quantized weights (global: reset per format)
     torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent or target.quantization is not None
     target.setup_caches(1, args.max_seq_length)
+    return target
+
+
+def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt: list, args, first: bool) -> dict:
+    """One shape in one weight format: plain decoding, the cycle phase by phase (if first), plain vs EAGLE-2
+    end to end, and the tree size --total_tokens auto picks (verify costs differ by format)."""
+    target = format_ready(source, fmt, args)
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     out = {"weights": generate.weights_format(target),
@@ -269,8 +278,28 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     return out
 
 
-def format_row(result: dict) -> dict:
-    """One format's line of the side-by-side table (or why it has none)."""
+def measure_eagle3(source: Transformer, draft3, fmt: str, plain_step_s: float, copy_bw: float, prompt: list, args,
+                   first: bool) -> dict:
+    """The EAGLE-3 head on the same target weights and tree as EAGLE-2 (measure_format's): its cycle phase by
+    phase (if first), plain vs EAGLE-3 end to end, the weight bytes a token costs (its own lm_head over its
+    draft vocabulary). plain_step_s: measure_format's plain step, the unit of the cycle's phases."""
+    target = format_ready(source, fmt, args)
+    target.set_feature_layers(draft3.feature_layers)
+    tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
+    device = str(target.output.weight.device)
+    out = {"feature_layers": list(draft3.feature_layers), "draft_vocab": draft3.vocab_size}
+    if first and not args.skip_cycle_table:
+        out["cycle"] = bench.bench_cycle(target, draft3, tree, True, args.repeats, plain_step_s, copy_bw)
+    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
+                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    side = bench.side_by_side(target, draft3, tree, step_fns, args.side_tokens, False, prompt)
+    out["end_to_end"] = eagle_bytes(target, draft3, tree, side)
+    out["side_by_side"] = {"eaglet EAGLE-3" if name == "eaglet EAGLE-2" else name: row for name, row in side.items()}
+    return out
+
+
+def format_row(result: dict, eagle3: dict) -> dict:
+    """One format's line of the side-by-side table (or why it has none); eagle3: its EAGLE-3 section's."""
     if "plain" not in result:
         return {k: result[k] for k in ("skipped", "error") if k in result}
     plain = result["plain"]
@@ -284,22 +313,38 @@ def format_row(result: dict) -> dict:
                     "eagle2_over_plain_end_to_end": spec["over_plain_end_to_end"],
                     "eagle2_weight_GB_per_token": spec["weight_GB_per_token"], "eagle2_GB_per_s": spec["GB_per_s"],
                     "total_tokens_auto": result["total_tokens_auto"]})
+    if "end_to_end" in eagle3:
+        spec = eagle3["end_to_end"]
+        row.update({"eagle3_tokens_per_s": spec["tokens_per_s"], "eagle3_tau": spec["tau"],
+                    "eagle3_same_tokens_as_plain": spec["same_tokens_as_plain"],
+                    "eagle3_over_plain_end_to_end": spec["over_plain_end_to_end"],
+                    "eagle3_weight_GB_per_token": spec["weight_GB_per_token"]})
+    elif eagle3:  # skipped (time budget) or failed
+        row["eagle3"] = {k: eagle3[k] for k in ("skipped", "error") if k in eagle3}
     return row
 
 
 def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, prompt: list, args, first: bool) -> dict:
     """The inflated demo in one shape, each of --formats in its own section (written as it is measured,
     models freed between them); returns the formats side by side. The bf16 weights stay: the source of the
-    quantized ones."""
+    quantized ones. --eagle3: the demo's EAGLE-3 head too, inflated for the same target."""
     source, draft, _, _ = inflate(DEMO_DIR, shape, device, dtype)
     draft.setup_caches(args.max_seq_length)
+    draft3 = inflate_head3(DEMO_DIR, source)[0] if args.eagle3 else None
+    if draft3 is not None:
+        draft3.setup_caches(args.max_seq_length)
     copy_bw = bench.copy_bandwidth(device)
     rows = {}
     for i, fmt in enumerate(args.formats):
         result = report.section(f"{name} {fmt} (inflated demo)", measure_format, source, draft, fmt, copy_bw, prompt,
                                 args, first and i == 0)
-        rows[fmt] = format_row(result)
         release_memory(device)
+        eagle3 = {}
+        if draft3 is not None and "EAGLE-2" in result:  # its own section: EAGLE-2's is written first
+            eagle3 = report.section(f"{name} {fmt} EAGLE-3 (inflated demo)", measure_eagle3, source, draft3, fmt,
+                                    result["plain"]["step_ms"] / 1e3, copy_bw, prompt, args, first and i == 0)
+            release_memory(device)
+        rows[fmt] = format_row(result, eagle3)
     return rows
 
 
@@ -491,6 +536,9 @@ def parse_args(argv=None):
                    help="LLaMA-2-13B's shape in int4 g128: speed and peak GPU memory (CUDA only; skipped on CPU)")
     p.add_argument("--tp1", action="store_true",
                    help="the demo compiled under torchrun at world size 1 against one process (tensor parallel's path)")
+    p.add_argument("--eagle3", action="store_true",
+                   help="also the demo's EAGLE-3 head on each shape and format: its cycle phase by phase (where "
+                        "EAGLE-2's is measured) and end to end against plain, on the same target weights")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -549,7 +597,7 @@ def main(argv=None):
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
                                "flex_attention": model.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
-                               "formats": args.formats}
+                               "formats": args.formats, "eagle3": args.eagle3}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
     if not (args.plain_only or args.skip_checks):

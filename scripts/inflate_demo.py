@@ -14,6 +14,13 @@ RoPE halves kept apart, rope_theta raised so that every frequency is the demo's,
 and heads have zero output projections; extra MLP units are zero. The extra vocabulary rows read only the
 bias channel with a large negative weight, so they never win, in the target's lm_head nor in the draft's
 use of it. The tokenizer is the demo's (config.json says so in tokenizer_vocab_size).
+
+The demo's EAGLE-3 head (demo/head3, if there) is written to OUT_DIR/head3 the same way. It reads the wide
+layers that hold the demo's feature layers (demo layer i sits at wide layer i x stride, the layers between
+add nothing); fc reads each of the three wide features' demo dims and passes one feature's bias channel
+on, so that the head's own hidden state carries it through its norms. Its draft vocabulary is padded to
+32000 entries (the whole vocabulary if smaller; LLaMA-3-8B's heads have 32000) whose lm_head rows never
+win, mapped to target ids the demo's entries do not use.
 """
 import json
 import math
@@ -24,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draft import EagleDraft  # noqa: E402
+from draft import Eagle3Draft, Eagle3Flags, EagleDraft, eagle3_feature_layers, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
 from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402
@@ -40,6 +47,7 @@ SHAPES = {  # the fields that make a model's cost: LLaMA-2-7B, LLaMA-2-13B and L
 }
 BIAS = 2.0 ** -5  # the bias channel's value (exact in bf16); c^2 must stay below small dim x eps
 NEVER = -2.0e4  # extra vocabulary rows' weight on the bias channel
+DRAFT_VOCAB = 32000  # the EAGLE-3 head's draft vocabulary, as LLaMA-3-8B's heads (the whole vocabulary if smaller)
 
 
 class Layout:
@@ -54,6 +62,7 @@ class Layout:
         self.small, self.big = small, big
         self.bias_dim = big.dim - 1
         self.ratio = small.dim / big.dim
+        self.stride = big.n_layer // small.n_layer  # demo layer i sits at wide layer i * stride
         half, big_half = small.head_dim // 2, big.head_dim // 2
         i = torch.arange(small.head_dim)
         self.head_dims = torch.where(i < half, i, i - half + big_half)  # the two RoPE halves stay apart
@@ -82,26 +91,36 @@ class Layout:
     def head_rows(self, head: int, offset: int) -> torch.Tensor:
         return offset + head * self.big.head_dim + self.head_dims
 
+    def wide_input(self, layer: int) -> int:
+        """The wide layer whose input is the demo's input of this layer (n_layer: the last layer's output)."""
+        return 0 if layer == 0 else (layer - 1) * self.stride + 1
+
+    def columns(self, blocks: int) -> torch.Tensor:
+        """Where the columns of a demo weight reading `blocks` demo-wide inputs side by side go."""
+        return torch.cat([b * self.big.dim + torch.arange(self.small.dim) for b in range(blocks)])
+
 
 def put(dst: torch.Tensor, index, src: torch.Tensor):
     """dst[index] = src, the fp32 demo numbers rounded once to the wide model's dtype on its device."""
     dst[index] = src.to(device=dst.device, dtype=dst.dtype)
 
 
-def copy_attention(big, small, lay: Layout):
-    """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim)."""
+def copy_attention(big, small, lay: Layout, in_blocks: int = 1):
+    """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim).
+    in_blocks: inputs side by side (EAGLE-3's attention reads 2: embedding and hidden state)."""
     s, b = lay.small, lay.big
     d, sd = s.head_dim, s.dim
     w, wb = small.wqkv.weight, big.wqkv.weight
     q_scale = math.sqrt(b.head_dim / s.head_dim)
+    cols = lay.columns(in_blocks)
     for h, bh in enumerate(lay.q_heads.tolist()):
-        put(wb, (lay.head_rows(bh, 0), slice(sd)), w[h * d:(h + 1) * d] * q_scale)
+        put(wb, (lay.head_rows(bh, 0)[:, None], cols), w[h * d:(h + 1) * d] * q_scale)
         put(big.wo.weight, (slice(sd), lay.head_rows(bh, 0)), small.wo.weight[:, h * d:(h + 1) * d])
     k_off, v_off = s.n_head * d, (s.n_head + s.n_local_heads) * d
     bk_off, bv_off = b.n_head * b.head_dim, (b.n_head + b.n_local_heads) * b.head_dim
     for bg, g in lay.kv_source.items():
-        put(wb, (lay.head_rows(bg, bk_off), slice(sd)), w[k_off + g * d:k_off + (g + 1) * d])
-        put(wb, (lay.head_rows(bg, bv_off), slice(sd)), w[v_off + g * d:v_off + (g + 1) * d])
+        put(wb, (lay.head_rows(bg, bk_off)[:, None], cols), w[k_off + g * d:k_off + (g + 1) * d])
+        put(wb, (lay.head_rows(bg, bv_off)[:, None], cols), w[v_off + g * d:v_off + (g + 1) * d])
 
 
 def copy_mlp(big, small, lay: Layout):
@@ -151,12 +170,11 @@ def inflate_target(small: Transformer, shape: dict, device, dtype):
     big.output.weight[sv:, lay.bias_dim] = NEVER
     copy_norm(big.norm, small.norm, lay)
     big.norm.weight[lay.bias_dim] = 1 / BIAS  # extra rows score NEVER x rms-normalised 1
-    stride = args.n_layer // small.args.n_layer
     for layer in big.layers:  # extra layers: zero output projections, so they add nothing
         layer.attention_norm.weight.fill_(1.0)
         layer.ffn_norm.weight.fill_(1.0)
     for i, small_layer in enumerate(small.layers):
-        layer = big.layers[i * stride]
+        layer = big.layers[i * lay.stride]
         copy_attention(layer.attention, small_layer.attention, lay)
         copy_mlp(layer.feed_forward, small_layer.feed_forward, lay)
         copy_norm(layer.attention_norm, small_layer.attention_norm, lay)
@@ -193,6 +211,54 @@ def inflate_head(small: EagleDraft, small_config: dict, lay: Layout, device, dty
     return head.eval(), config
 
 
+@torch.no_grad()
+def inflate_head3(demo_dir: Path, target: Transformer, draft_vocab_size: int = 0):
+    """The demo's EAGLE-3 head (demo_dir/head3) for the demo inflated into target; returns (head, its
+    config.json). draft_vocab_size: entries of its draft vocabulary, the demo's first (0: DRAFT_VOCAB, at most
+    the target's vocabulary)."""
+    small_target = ModelArgs.from_checkpoint_dir(demo_dir / "target")
+    small = load_head(demo_dir / "head3" / "draft.pth", small_target)
+    if not isinstance(small, Eagle3Draft) or small.embed is not None or small.flags != Eagle3Flags():
+        raise EagletError(f"{demo_dir / 'head3'}: only an EAGLE-3 head without flags or an embedding of its own, "
+                          "as the demo's, can be inflated")
+    target_lay = Layout(small_target, target.args)
+    b, small_vocab = target.args, small.vocab_size
+    draft_vocab_size = draft_vocab_size or min(DRAFT_VOCAB, b.vocab_size)
+    if not small_vocab <= draft_vocab_size <= b.vocab_size:
+        raise EagletError(f"a draft vocabulary of {draft_vocab_size} cannot hold the demo head's {small_vocab} "
+                          f"entries within the target's {b.vocab_size} tokens")
+    ids = [target_lay.wide_input(j) - 1 for j in small.feature_layers]  # layer outputs: id k = input of k + 1
+    small_config = read_config(demo_dir / "head3")
+    config = {**small_config, "hidden_size": b.dim, "num_attention_heads": b.n_head,
+              "num_key_value_heads": b.n_local_heads, "head_dim": b.head_dim,
+              "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
+              "max_position_embeddings": b.max_position_embeddings, "draft_vocab_size": draft_vocab_size,
+              "eagle_config": {**(small_config.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": ids}}
+    config.pop("rope_scaling", None)
+    lay = Layout(small.args, ModelArgs.from_hf_config({"model_type": "llama", **config}))
+    config.update({"rope_theta": lay.rope_theta, "rms_norm_eps": lay.eps(small.args.norm_eps)})
+    lay.big = ModelArgs.from_hf_config({"model_type": "llama", **config})
+    weight = target.tok_embeddings.weight
+    head = empty_module(lambda args: Eagle3Draft(args, b.dim, draft_vocab_size, own_embedding=False), lay.big,
+                        weight.device, weight.dtype)
+    put(head.fc.weight, (slice(lay.small.dim), lay.columns(3)), small.fc.weight)
+    head.fc.weight[lay.bias_dim, lay.bias_dim] = 1.0  # the first feature's bias channel: the head's own
+    copy_attention(head.layer.attention, small.layer.attention, lay, in_blocks=2)
+    copy_mlp(head.layer.feed_forward, small.layer.feed_forward, lay)
+    for norm in ("embed_norm", "hidden_norm", "ffn_norm"):
+        copy_norm(getattr(head.layer, norm), getattr(small.layer, norm), lay)
+    copy_norm(head.norm, small.norm, lay)
+    head.norm.weight[lay.bias_dim] = 1 / BIAS  # the padding rows score NEVER x rms-normalised 1, as the target's
+    put(head.lm_head.weight, (slice(small_vocab), slice(lay.small.dim)), small.lm_head.weight)
+    head.lm_head.weight[small_vocab:, lay.bias_dim] = NEVER
+    unused = torch.ones(b.vocab_size, dtype=torch.bool)
+    unused[small.draft_to_target] = False
+    padding = unused.nonzero()[:draft_vocab_size - small_vocab, 0]  # the lowest target ids the demo's do not use
+    head.draft_to_target = torch.cat([small.draft_to_target, padding]).to(weight.device)
+    head.feature_layers = eagle3_feature_layers(config, b.n_layer, str(demo_dir / "head3"))
+    return head.eval(), config
+
+
 def inflate(demo_dir: Path, shape: dict, device="cpu", dtype=torch.float32):
     """(target, head, target config, head config) of the demo in this shape, built on device in dtype."""
     small = load_target(demo_dir / "target" / "model.pth", "cpu", "fp32")
@@ -213,10 +279,20 @@ def save(out_dir: Path, demo_dir: Path, target, head, target_config, head_config
     shutil.copy(demo_dir / "target" / "tokenizer.model", out_dir / "target" / "tokenizer.model")
 
 
+def save_head3(out_dir: Path, head, config):
+    """OUT_DIR/head3 as eaglet stores an EAGLE-3 head: its weights and d2t (target id = draft id + d2t)."""
+    (out_dir / "head3").mkdir()
+    dtype = str(head.lm_head.weight.dtype).removeprefix("torch.")
+    (out_dir / "head3" / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
+    d2t = head.draft_to_target.cpu() - torch.arange(head.vocab_size)
+    torch.save({**head.state_dict(), "d2t": d2t}, out_dir / "head3" / "draft.pth")
+
+
 def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--shape", choices=list(SHAPES), default="llama2-7b", help="the real model whose shape to take")
-    p.add_argument("--out_dir", type=Path, required=True, help="writes OUT_DIR/target and OUT_DIR/head")
+    p.add_argument("--out_dir", type=Path, required=True,
+                   help="writes OUT_DIR/target, OUT_DIR/head and (if the demo has one) OUT_DIR/head3")
     p.add_argument("--demo_dir", type=Path, default=DEMO_DIR, help="the demo to embed")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=list(PRECISIONS), default=None, help="default: bf16 on CUDA, fp32 on CPU")
@@ -228,14 +304,18 @@ def main(argv=None):
         precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         print(f"embedding {args.demo_dir} in a {args.shape} shape ({precision} on {device})", flush=True)
         parts = inflate(args.demo_dir, SHAPES[args.shape], device, PRECISIONS[precision])
+        head3 = inflate_head3(args.demo_dir, parts[0]) if (args.demo_dir / "head3").is_dir() else None
         print(f"writing {args.out_dir}", flush=True)
         save(args.out_dir, args.demo_dir, *parts)
+        if head3:
+            save_head3(args.out_dir, *head3)
     except EagletError as e:
         sys.exit(f"error: {e}")
     except OSError as e:
         sys.exit(f"error: cannot write {args.out_dir}: {e.strerror}")
     print(f"done: --checkpoint_path {args.out_dir / 'target' / 'model.pth'} "
-          f"--draft_checkpoint_path {args.out_dir / 'head' / 'draft.pth'}")
+          f"--draft_checkpoint_path {args.out_dir / 'head' / 'draft.pth'}"
+          + (f" (EAGLE-3: {args.out_dir / 'head3' / 'draft.pth'})" if head3 else ""))
 
 
 if __name__ == "__main__":
