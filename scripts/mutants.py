@@ -93,6 +93,16 @@ MUTANTS = [
       "self.kv[:, :1].index_copy_(4, dst_slots, self.kv[:, :1].index_select(4, src_slots))"),
     M("draft top-k: scores not normalised (raw logits rank the tree)", "draft.py",
       "logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)", "logp = values.float()"),
+    # split attention (EAGLET_SPLIT)
+    M("split attention: the block's own slots read one slot late", "model.py",
+      "slots = ctx_len[:, None] + torch.arange(mask.block.shape[-1], device=q.device)  # [B, W]",
+      "slots = ctx_len[:, None] + 1 + torch.arange(mask.block.shape[-1], device=q.device)  # [B, W]"),
+    M("split attention: the two parts merged with equal weight", "model.py",
+      "weight_a, weight_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]",
+      "weight_a, weight_b = torch.ones_like(lse_a)[..., None], torch.ones_like(lse_b)[..., None]"),
+    M("split attention: the context's mask_mod sees its last slot too", "model.py",
+      "return kv_idx < (ctx_len if ctx_len.ndim == 0 else ctx_len[b])",
+      "return kv_idx <= (ctx_len if ctx_len.ndim == 0 else ctx_len[b])"),
     # running ahead
     M("run ahead: the queued call's context not advanced (eager attention misses the newest slot)", "generate.py",
       "queued = call(state, ctx + widest)", "queued = call(state, ctx)"),
