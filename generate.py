@@ -541,12 +541,13 @@ def write_tree_choice(path: Path, key: dict, measured: list, chosen: TreeConfig,
     entries.append({"key": key, "tree": asdict(chosen), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "measured": [{**asdict(m.tree), "tau": m.tau, "cycle_ms": m.cycle_s * 1e3,
                                   "tokens_per_s": m.tokens_per_s} for m in measured]})
+    partial_file = path.with_name(path.name + f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial_file = path.with_name(path.name + f".{os.getpid()}.tmp")
         partial_file.write_text(json.dumps({"choices": entries}, indent=1))
         os.replace(partial_file, path)  # whole or not at all, also when two runs write at once
     except OSError as e:
+        partial_file.unlink(missing_ok=True)
         log(f"warning: could not save the tree choice to {path}: {e.strerror or e}")
 
 
