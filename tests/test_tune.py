@@ -285,3 +285,21 @@ def test_bench_tune_tree_is_refused_before_measuring_when_it_does_not_fit(tmp_pa
     expect_error(["--model", "tiny", "--tune_tree", "--max_seq_length", "256", "--out", str(tmp_path / "r")],
                  "--tree auto: the tree depth", bench.main)
     assert "copy bandwidth" not in capsys.readouterr().out
+
+
+def test_cli_tree_auto_with_several_prompts_tunes_at_batch_1(tmp_path, monkeypatch, capsys):
+    """Two prompts decoded together: the tuning runs on one-row caches, then the batch on two rows, each prompt's
+    tokens as plain decoding's."""
+    timer = FakeTimer({GRID[1]: 1.0, GRID[3]: 2.0})
+    monkeypatch.setattr(generate, "time_cycle", timer)
+    monkeypatch.setattr(generate, "TREE_GRID", (GRID[1], GRID[3]))
+    monkeypatch.setattr(generate, "CALIBRATION_PROMPTS", generate.CALIBRATION_PROMPTS[:1])
+    monkeypatch.setattr(generate, "CALIBRATION_TOKENS", NEW_TOKENS)
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+    base = ["--prompt", "def f(x):\n", "--prompt", "import os\n", "--max_new_tokens", "20", "--device", "cpu"]
+    generate.main(base + ["--tree", "auto", "--json_out", str(tmp_path / "auto.json")])
+    generate.main(base + ["--no_draft", "--json_out", str(tmp_path / "plain.json")])
+    assert timer.calls == 2 and "2 prompts, 2 at a time" in capsys.readouterr().out
+    auto, plain = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("auto", "plain"))
+    assert [p["samples"][0]["tokens"] for p in auto] == [p["samples"][0]["tokens"] for p in plain]
+    assert all(len(p["samples"][0]["tokens"]) == 20 for p in auto)
