@@ -34,7 +34,8 @@ def taus(demo):
     for point in GRID:
         emitted = cycles = 0
         for prompt in prompts:
-            result = generate.generate(model, prompt, NEW_TOKENS, SamplingConfig(), draft=draft, tree=TreeConfig(*point))
+            tree = TreeConfig(*point)
+            result = generate.generate(model, prompt, NEW_TOKENS, SamplingConfig(), draft=draft, tree=tree)
             assert len(result.tokens) == NEW_TOKENS and sum(result.accept_lengths) == NEW_TOKENS - 1  # 1: prefill
             emitted += NEW_TOKENS - 1 - result.accept_lengths[-1]
             cycles += len(result.accept_lengths) - 1
