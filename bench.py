@@ -85,6 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--batch_sizes", type=batch_sizes_flag, default=None,
                    help="several prompts at once: total tokens/s and latency per sequence at these batch sizes, plain "
                         "and EAGLE-2, e.g. 1,2,4,8,16 (default: not run)")
+    p.add_argument("--tune_tree", action="store_true",
+                   help="run generate.py --tree auto's tuner here (measured, never read from its cache) and decode the "
+                        "side-by-side prompt end to end with its choice and with the flags' tree (60/6/10 by default)")
     p.add_argument("--eval", type=Path, help="folder of FastChat .jsonl question files (default: no evaluation)")
     p.add_argument("--questions", type=int_flag(1), default=5, help="questions per task in --eval")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=128, help="per turn in --eval")
@@ -120,10 +123,11 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
-from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, SamplingConfig, TreeConfig,  # noqa: E402
-                      catch_up, check_writable, commit, compile_settings, compile_step, cycle_weight_bytes,
-                      decode_one_token, device_sync, generate, generate_batch, load_draft, load_target, pick_device,
-                      prefill, sample, speculative_cycle, verify, weight_bytes, weights_format, write_output)
+from generate import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEMO_MAX_NEW_TOKENS, DEMO_PROMPT,  # noqa: E402
+                      PRECISIONS, TREE_GRID, SamplingConfig, TreeConfig, catch_up, check_tune_fits, check_writable,
+                      commit, compile_settings, compile_step, cycle_timing, cycle_weight_bytes, decode_one_token,
+                      device_sync, generate, generate_batch, load_draft, load_target, pick_device, prefill, sample,
+                      speculative_cycle, tree_name, tune_tree, verify, weight_bytes, weights_format, write_output)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -431,6 +435,63 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
     return rows
 
 
+def calibration_prompts(args, target: Transformer) -> tuple:
+    """--tune_tree's prompts and what they are: generate.py --tree auto's, encoded by the checkpoint's tokenizer
+    (or --tokenizer); for --model, random ids as many (its head is random: tau means nothing there)."""
+    if args.model:
+        g = torch.Generator().manual_seed(2)
+        vocab = min(target.args.vocab_size, 32000)
+        return [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in CALIBRATION_PROMPTS], \
+            f"{len(CALIBRATION_PROMPTS)} prompts of 16 random token ids"
+    tokenizer = Tokenizer(args.tokenizer or args.checkpoint_path.parent)
+    return [tokenizer.encode(text) for text in CALIBRATION_PROMPTS], "generate.py --tree auto's prompts"
+
+
+def tuned_tree(target, draft, flags_tree: TreeConfig, calibration: list, prompt, n_tokens: int, compile_: bool,
+               group) -> dict:
+    """generate.py --tree auto's grid measured here (tau, cycle time, tokens/s = tau / cycle), its choice, and the
+    side-by-side prompt (default: SIDE_PROMPT random tokens) decoded end to end with that tree and with the
+    flags' tree (greedy: both must give the same tokens)."""
+    device = str(target.output.weight.device)
+    t0 = time.perf_counter()
+    chosen, measured = tune_tree(target, draft, calibration, TREE_GRID, CALIBRATION_TOKENS, log=print)
+    chosen = tp.rank0_value(group, chosen)
+    tuning_s = time.perf_counter() - t0
+    prompt = prompt or torch.randint(0, min(target.args.vocab_size, 32000), (SIDE_PROMPT,)).tolist()
+    runs = {}
+    for name, tree in (("flags", flags_tree), ("tuned", chosen)):
+        step_fn = compile_step(speculative_cycle, device) if compile_ else speculative_cycle
+        generate(target, prompt, 16, GREEDY, draft=draft, tree=tree, step_fn=step_fn)  # warm-up (compilation)
+        result = generate(target, prompt, n_tokens, GREEDY, draft=draft, tree=tree, step_fn=step_fn)
+        runs[name] = {"tree": asdict(tree), "tokens_per_s": result.tokens_per_s,
+                      "tau": result.tau if result.accept_lengths else None, "tokens": result.tokens}
+    same = runs["flags"].pop("tokens") == runs["tuned"].pop("tokens")
+    return {"grid": [{**asdict(m.tree), "tau": m.tau, "cycle_ms": m.cycle_s * 1e3, "tokens_per_s": m.tokens_per_s}
+                     for m in measured],
+            "chosen": asdict(chosen), "tuning_s": tuning_s, "cycle_timing": cycle_timing(target),
+            "calibration_tokens": CALIBRATION_TOKENS, "end_to_end": runs, "same_tokens": same,
+            "speedup": runs["tuned"]["tokens_per_s"] / runs["flags"]["tokens_per_s"]}
+
+
+def tuned_tree_lines(results: dict) -> list:
+    if "tuned_tree" not in results:
+        return []
+    tuned, setup = results["tuned_tree"], results["setup"]
+    lines = ["", f"| tree (depth, top-k, tokens), tuned as generate.py --tree auto: tau from "
+             f"{setup['calibration_prompts']} x {tuned['calibration_tokens']} greedy tokens, cycle time of "
+             f"{tuned['cycle_timing']} | tau | ms per cycle | tokens/s = tau / cycle |", "| --- | --- | --- | --- |"]
+    lines += [f"| {tree_name(TreeConfig(r['depth'], r['topk'], r['total_tokens']))} | {r['tau']:.2f} | "
+              f"{r['cycle_ms']:.3f} | {r['tokens_per_s']:.1f} |" for r in tuned["grid"]]
+    lines += ["", f"Chosen: {tree_name(TreeConfig(**tuned['chosen']))}, in {tuned['tuning_s']:.1f} s of tuning.", "",
+              f"| end to end: {setup['side_by_side_prompt']}, {setup['side_tokens']} tokens, greedy | tokens/s | tau |",
+              "| --- | --- | --- |"]
+    for name, run in tuned["end_to_end"].items():
+        tau = f"{run['tau']:.2f}" if run["tau"] else "-"
+        lines.append(f"| {name}: {tree_name(TreeConfig(**run['tree']))} | {run['tokens_per_s']:.1f} | {tau} |")
+    lines += ["", f"Tuned / flags' tree: {tuned['speedup']:.2f}x tokens/s; same tokens: {tuned['same_tokens']}."]
+    return lines
+
+
 def batch_prompts(args, target: Transformer, n: int) -> tuple:
     """n prompts of their own and what they are: the demo's prompt with other function names, or random ids of
     SIDE_PROMPT - 0..7 tokens (rows of different lengths)."""
@@ -556,7 +617,7 @@ def markdown(results: dict) -> str:
                          + (f"{limit['tokens_per_s']:.1f} | {pct(limit['fraction'])} |" if limit else "- | - |"))
         lines += ["", f"Physical limit of a task: its tau x the copy bandwidth {copy:.4g} GB/s / the bytes floor "
                   f"{cycle['cycle_bytes_GB']:.4g} GB per cycle (at context {ctx}; the turns' own contexts differ)."]
-    return "\n".join(lines + batch_lines(results)) + "\n"
+    return "\n".join(lines + tuned_tree_lines(results) + batch_lines(results)) + "\n"
 
 
 def launcher(group) -> str:
@@ -703,6 +764,10 @@ def main(argv=None):
         check_lengths(args, tree)
         if tree.topk > draft.vocab_size:
             raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+        if args.tune_tree:  # refused now, not after the other measurements, if its grid cannot run here
+            calibration, calibration_text = tp.agreed(group, calibration_prompts, args, target)
+            check_tune_fits([TreeConfig(*point) for point in TREE_GRID], calibration, CALIBRATION_TOKENS,
+                            target.max_seq_length, draft.vocab_size)
         vocab, head = draft_vocab_used(args, target, draft), head_name(args, draft)
         print(f"head: {head}; draft vocabulary: {vocab['text']}", flush=True)
         quantization = getattr(target, "quantization", None)
@@ -730,6 +795,11 @@ def main(argv=None):
                     "spec": compile_step(speculative_cycle, device) if args.compile else speculative_cycle}
         print(f"side by side on the same weights: {prompt_text}", flush=True)
         results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf, prompt)
+        if args.tune_tree:
+            print("tuning the tree as generate.py --tree auto does, then both trees end to end", flush=True)
+            results["setup"]["calibration_prompts"] = calibration_text
+            results["tuned_tree"] = tuned_tree(target, draft, tree, calibration, prompt, args.side_tokens,
+                                               args.compile, group)
         if args.eval:
             tokenizer = tp.agreed(group, Tokenizer, args.tokenizer or args.checkpoint_path.parent)
             print(f"chat template: {tokenizer.chat_template_source}")
