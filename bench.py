@@ -125,8 +125,8 @@ import torch  # noqa: E402
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
 from generate import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEMO_MAX_NEW_TOKENS, DEMO_PROMPT,  # noqa: E402
                       PRECISIONS, TREE_GRID, SamplingConfig, TreeConfig, catch_up, check_tune_fits, check_writable,
-                      commit, compile_settings, compile_step, cycle_timing, cycle_weight_bytes, decode_one_token,
-                      device_sync, generate, generate_batch, load_draft, load_target, pick_device, prefill, sample,
+                      commit, compile_settings, compile_step, cycle_start, cycle_timing, cycle_weight_bytes,
+                      decode_one_token, device_sync, generate, generate_batch, load_draft, load_target, pick_device,
                       speculative_cycle, tree_name, tune_tree, verify, weight_bytes, weights_format, write_output)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -202,16 +202,8 @@ START_PROMPT = 128  # the context of the timed steps and cycles
 
 def start_state(target: Transformer, draft: EagleDraft, n_prompt: int = START_PROMPT):
     """Caches holding a random prompt, as after generate()'s prefill: (root, ctx_len, h_last)."""
-    device = target.output.weight.device
-    tokens = torch.randint(0, target.args.vocab_size, (1, n_prompt), device=device)
-    with torch.no_grad():
-        logits, features = prefill(target, tokens, 0)
-        root = sample(logits, GREEDY)[0]
-        pairs = torch.cat([tokens[0, 1:], root.view(1)])
-        ctx_len = torch.tensor(n_prompt, device=device)
-        h_last = catch_up(target, draft, pairs, features[0], torch.tensor(0, device=device),
-                          ctx_len - 1) if draft is not None else None
-    return root, ctx_len, h_last
+    tokens = torch.randint(0, target.args.vocab_size, (n_prompt,), device=target.output.weight.device)
+    return cycle_start(target, draft, tokens.tolist())
 
 
 @contextmanager

@@ -424,16 +424,24 @@ def check_tune_fits(trees: list, prompts: list, new_tokens: int, cache_slots: in
 
 
 @torch.no_grad()
-def cycle_start(target: Transformer, draft: DraftHead, prompt: list) -> tuple:
-    """(root, ctx_len, h_last) as generate() holds them after prefilling prompt: a cycle's fixed inputs."""
+def cycle_start(target: Transformer, draft: Optional[DraftHead], prompt: list) -> tuple:
+    """(root, ctx_len, h_last) as generate() holds them after prefilling prompt: a cycle's fixed inputs (h_last
+    None without a draft)."""
     device = target.output.weight.device
-    tokens = torch.tensor([prompt], device=device)
-    logits, features = prefill(target, tokens, 0)
+    logits, features = prefill(target, torch.tensor([prompt], device=device), 0)
     root = sample(logits, SamplingConfig())[0]
-    pairs = torch.cat([tokens[0, 1:], root.view(1)])
-    h_last = catch_up(target, draft, pairs, features[0], torch.tensor(0, device=device),
-                      torch.tensor(len(pairs) - 1, device=device))
+    h_last = draft_start(target, draft, prompt, 0, features, root) if draft is not None else None
     return root, torch.tensor(len(prompt), device=device), h_last
+
+
+def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
+                root: Tensor) -> Tensor:
+    """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
+    on (features: the target's over prompt[first:]), the last one pairing with the root."""
+    device = root.device
+    pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
+    return catch_up(target, draft, pairs, features[0], torch.tensor(first, device=device),
+                    torch.tensor(len(pairs) - 1, device=device))
 
 
 def cycle_timing(target: Transformer) -> str:
@@ -684,10 +692,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
         if draft is None:
             call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
         else:
-            # The draft reads the prompt's pairs (f_t, x_{t+1}), the last one pairing with the root.
-            pairs = torch.cat([torch.tensor(prompt_tokens[first + 1:], dtype=torch.long, device=device), token.view(1)])
-            h_last = catch_up(model, draft, pairs, features[0], torch.tensor(first, device=device),
-                              torch.tensor(len(pairs) - 1, device=device))
+            h_last = draft_start(model, draft, prompt_tokens, first, features, token)
             call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
         ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
