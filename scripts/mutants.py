@@ -190,8 +190,7 @@ MUTANTS = [
       'out["fc.bias"] = weights.pop("fc.bias")', 'weights.pop("fc.bias")'),
     # several prompts at once
     M("batch: a finished row's context still advanced", "generate.py",
-      "ctx_len = torch.where(torch.tensor([not d for d in done], device=device), next_ctx, ctx_len)",
-      "ctx_len = next_ctx"),
+      "ctx_len = torch.where(live, next_ctx, ctx_len)", "ctx_len = next_ctx"),
     M("batch: every row's K/V written to the first row", "model.py",
       "rows = torch.arange(bsz, device=k.device)[:, None]", "rows = torch.zeros(bsz, 1, dtype=torch.long)"),
     M("batch: every row sees the first row's context length", "model.py",
