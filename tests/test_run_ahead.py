@@ -119,3 +119,18 @@ def test_second_chat_turn_reuses_the_caches(demo):
                                run_ahead=True)
     fresh = generate.generate(target, second_prompt, 20, GREEDY, draft=draft, run_ahead=False)
     assert reused.tokens == fresh.tokens and reused.accept_lengths == fresh.accept_lengths
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_call(demo):
+    """Running ahead relies on generate() refusing up front what the cache cannot hold: prompt + max_new_tokens
+    (+ the tree's scratch slots with a head) over the cache is one clear error, never an index past the cache."""
+    _, _, prompts = demo
+    tree = TreeConfig(6, 10, 60)
+    prompt = prompts[2]
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", len(prompt) + 30)
+    draft = load_draft(DEMO / "head" / "draft.pth", target)
+    generate.generate(target, prompt, 30, GREEDY, run_ahead=True)  # fits exactly
+    with pytest.raises(generate.EagletError, match=r"max_new_tokens \(31\) = .* exceeds the cache"):
+        generate.generate(target, prompt, 31, GREEDY, run_ahead=True)
+    with pytest.raises(generate.EagletError, match=r"max_new_tokens \(1\) \+ tree scratch \(60\) = .* exceeds"):
+        generate.generate(target, prompt, 1, GREEDY, draft=draft, tree=tree, run_ahead=True)
