@@ -204,17 +204,20 @@ class LayerCache:
         return self.cache.kv[self.index, 1]
 
     def update(self, cache_slots: Tensor, k: Tensor, v: Tensor):
-        """k, v [B, H, T, D] to cache_slots: [T], the same slots in every row, or [B, T], each row its own."""
-        bsz = k.shape[0]
-        k_cache, v_cache = self.k_cache, self.v_cache
-        if cache_slots.ndim == 1:
-            k_cache[:bsz].index_copy_(2, cache_slots, k)
-            v_cache[:bsz].index_copy_(2, cache_slots, v)
-        else:
-            rows = torch.arange(bsz, device=k.device)[:, None]
-            k_cache[rows, :, cache_slots] = k.transpose(1, 2)  # indexed [B, T, H, D]
-            v_cache[rows, :, cache_slots] = v.transpose(1, 2)
-        return k_cache[:bsz], v_cache[:bsz]
+        """k, v [B, H, T, D] to cache_slots: [T], the same slots in every row, or [B, T], each row its own.
+
+        One index_put_ on the whole buffer, an index tensor for each of its first five dimensions. Written
+        through a view instead (kv[layer][:, :, slots] = k), torch.compile turns the write into a copy of the
+        WHOLE buffer, every layer, every step; the base written at explicit indices stays in place."""
+        kv, device = self.cache.kv, k.device
+        bsz, n_kv, n_new, _ = k.shape
+        layer = torch.full((1, 1, 1, 1), self.index, device=device)
+        k_or_v = torch.arange(2, device=device).view(2, 1, 1, 1)
+        rows = torch.arange(bsz, device=device).view(1, bsz, 1, 1)
+        heads = torch.arange(n_kv, device=device).view(1, 1, n_kv, 1)
+        slots = cache_slots.view(1, -1, 1, n_new)  # [1, 1 or B, 1, T]
+        kv.index_put_((layer, k_or_v, rows, heads, slots), torch.stack([k, v]))
+        return self.k_cache[:bsz], self.v_cache[:bsz]
 
 
 QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)

@@ -1,0 +1,100 @@
+"""What the compiled code touches: a step writes only the cache slots it writes. inductor's own accounting of
+each kernel it generates (the elements it reads and writes) is read after compiling a real step; no kernel may
+span as much as one layer's keys and values, the most that a step's attention reads. A K/V write through a view
+of the shared buffer once turned into a copy of the whole buffer in every layer (40x slower than eager at 2,048
+slots): this is the test that fails then. No timing here (bench.py --kv_sizes times it)."""
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch._inductor import metrics
+
+import bench
+from draft import EagleDraft
+from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, generate, generate_batch, \
+    speculative_cycle
+from model import ModelArgs, Transformer
+from quantize import quantize_state_dict
+
+CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+SLOTS = 2048  # one layer's K and V: 2 x 2 heads x 2048 slots x 32 = 262,144 elements a row, far above any weight
+TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
+GREEDY = SamplingConfig()
+
+
+@contextmanager
+def kernel_sizes():
+    """[(kernel, elements it touches)] for every kernel inductor generates inside the block (cached graphs off,
+    so each one is compiled, and counted, here). Library calls (matmuls, SDPA) are left out: inductor counts
+    the whole buffer a view of it is passed, and they write only what they return."""
+    torch._dynamo.reset()
+    metrics.reset()
+    sizes = []
+    torch._logging.set_logs(inductor_metrics=True)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            yield sizes
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    sizes += [(str(node), n) for node, n in metrics.nodes_num_elem if type(node).__name__ != "ExternKernelSchedulerNode"]
+
+
+def models(rows: int = 1, mode: str = ""):
+    torch.manual_seed(0)
+    args = ModelArgs.from_hf_config(CONFIG)
+    target = bench.random_module(Transformer, args, "cpu", torch.float32)
+    if mode:
+        target = Transformer.from_state_dict(args, quantize_state_dict(target.state_dict(), mode, 32))
+    target.setup_caches(rows, SLOTS)
+    draft = bench.random_module(EagleDraft, args, "cpu", torch.float32)
+    draft.setup_caches(SLOTS, rows)
+    return target, draft
+
+
+def one_layer_kv(target: Transformer) -> int:
+    return target.kv_cache.kv.numel() // target.args.n_layer
+
+
+def check_touches_one_layer_at_most(sizes: list, target: Transformer, draft=None):
+    assert sizes, "nothing was compiled: the counts would prove nothing"
+    limit = min([one_layer_kv(target)] + ([draft.kv_cache.kv.numel()] if draft is not None else []))
+    assert [(k, n) for k, n in sizes if n >= limit] == [], f"kernels span {limit} elements or more"
+
+
+@pytest.mark.parametrize("mode", ["", "int8"])
+def test_compiled_plain_step_writes_only_its_slot(mode):
+    target, _ = models(mode=mode)
+    eager = generate(target, [1, 5, 9], 6, GREEDY).tokens
+    with kernel_sizes() as sizes:
+        compiled = generate(target, [1, 5, 9], 6, GREEDY, step_fn=compile_step(decode_one_token, "cpu")).tokens
+    assert compiled == eager
+    check_touches_one_layer_at_most(sizes, target)
+
+
+def test_compiled_cycle_writes_only_its_slots():
+    """Expansion (the draft's cache), verify (the tree's scratch slots), commit (the accepted path moved after
+    the context, every layer at once) and catch-up, in one compiled graph."""
+    target, draft = models()
+    eager = generate(target, [1, 5, 9], 8, GREEDY, draft=draft, tree=TREE)
+    with kernel_sizes() as sizes:
+        compiled = generate(target, [1, 5, 9], 8, GREEDY, draft=draft, tree=TREE,
+                            step_fn=compile_step(speculative_cycle, "cpu"))
+    assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
+    check_touches_one_layer_at_most(sizes, target, draft)
+
+
+@pytest.mark.slow
+def test_compiled_batch_cycle_writes_only_its_slots():
+    """Rows at different places: each row's own slots ([B, T] indices), and its own path compacted."""
+    target, draft = models(rows=2)
+    prompts = [[1, 5, 9], [1, 7, 8, 9, 10, 11]]
+    eager = generate_batch(target, prompts, 8, GREEDY, draft=draft, tree=TREE)
+    with kernel_sizes() as sizes:
+        compiled = generate_batch(target, prompts, 8, GREEDY, draft=draft, tree=TREE,
+                                  step_fn=compile_step(speculative_cycle, "cpu"))
+    assert [r.tokens for r in compiled] == [r.tokens for r in eager]
+    assert [r.accept_lengths for r in compiled] == [r.accept_lengths for r in eager]
+    check_touches_one_layer_at_most(sizes, target, draft)
