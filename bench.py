@@ -27,6 +27,8 @@ SIDE_PROMPT, SIDE_TOKENS = 64, 128  # the side-by-side run: random prompt tokens
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32),
     "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
@@ -45,15 +47,17 @@ DEMO_NAMES = ("read_lines", "write_lines", "load_json", "save_json", "parse_args
               "read_config", "list_files", "make_dirs", "run", "get_path", "open_file", "clean", "split_lines")
 
 
-def batch_sizes_flag(text: str) -> list:
-    """An argparse type: batch sizes, comma-separated, each at least 1, increasing."""
-    try:
-        sizes = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise ArgumentTypeError(f"expected batch sizes like 1,2,4,8, got {text!r}")
-    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
-        raise ArgumentTypeError(f"expected increasing batch sizes of at least 1, like 1,2,4,8, got {text!r}")
-    return sizes
+def sizes_flag(what: str, example: str):
+    """An argparse type: sizes, comma-separated, each at least 1, increasing."""
+    def parse(text: str) -> list:
+        try:
+            sizes = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise ArgumentTypeError(f"expected {what} like {example}, got {text!r}")
+        if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+            raise ArgumentTypeError(f"expected increasing {what} of at least 1, like {example}, got {text!r}")
+        return sizes
+    return parse
 
 
 def parse_args(argv=None):
@@ -82,9 +86,13 @@ def parse_args(argv=None):
                    help=f"tokens generated in the side-by-side run (default: {SIDE_TOKENS}; 60 for the demo, as "
                         "generate.py)")
     p.add_argument("--hf", action="store_true", help="include transformers' generate in the side-by-side run")
-    p.add_argument("--batch_sizes", type=batch_sizes_flag, default=None,
+    p.add_argument("--batch_sizes", type=sizes_flag("batch sizes", "1,2,4,8"), default=None,
                    help="several prompts at once: total tokens/s and latency per sequence at these batch sizes, plain "
                         "and EAGLE-2, e.g. 1,2,4,8,16 (default: not run)")
+    p.add_argument("--cache_sizes", type=sizes_flag("cache sizes", "256,2048,4096"), default=None,
+                   help="a plain step in caches of these many slots, eager (as generate.py runs it: attention over "
+                        "the filled slots) and compiled (over the whole cache, masked), e.g. 256,2048,4096 "
+                        "(default: not run)")
     p.add_argument("--tune_tree", action="store_true",
                    help="run generate.py --tree auto's tuner here (measured, never read from its cache) and decode the "
                         "side-by-side prompt end to end with its choice and with the flags' tree (60/6/10 by default)")
@@ -262,6 +270,41 @@ def bench_plain(target, compile_, copy_bw, repeats) -> dict:
     return {"step_ms": step_s * 1e3, "tokens_per_s": 1 / step_s, "weights_GB": n_bytes / 1e9,
             "GB_per_s": n_bytes / step_s / 1e9, "fraction_of_copy_bandwidth": n_bytes / step_s / copy_bw,
             "recompiles_after_warmup": recompiles, "kernels": kernels}
+
+
+def cache_size_sweep(target, sizes: list, repeats: int) -> dict:
+    """A plain step at context START_PROMPT in caches of these sizes: eager as generate() runs it (attention over
+    the filled slots) and compiled (fixed shapes: attention over the whole cache, the unfilled slots masked).
+    Besides that masked read, a step should cost the same at every size; the caches are set back after."""
+    device, restore = str(target.output.weight.device), target.max_seq_length
+    rows = {}
+    for size in sizes:
+        target.setup_caches(1, size)
+        root, ctx_len, _ = start_state(target, None)
+        token, pos, filled = root.view(1, 1), ctx_len.view(1), START_PROMPT + 1
+        torch._dynamo.reset()  # a new graph for each size, never one with a dynamic cache length
+        step = compile_step(decode_one_token, device)
+        with torch.no_grad():
+            eager_s, _ = timed(lambda: decode_one_token(target, token, pos, GREEDY, filled), repeats, device)
+            compiled_s, recompiles = timed(lambda: step(target, token, pos, GREEDY), repeats, device)
+        rows[size] = {"eager_step_ms": eager_s * 1e3, "compiled_step_ms": compiled_s * 1e3,
+                      "recompiles_after_warmup": recompiles}
+        print(f"  {size} slots: eager {eager_s * 1e3:.2f} ms, compiled {compiled_s * 1e3:.2f} ms", flush=True)
+    target.setup_caches(1, restore)
+    first, last = rows[sizes[0]]["compiled_step_ms"], rows[sizes[-1]]["compiled_step_ms"]
+    return {"context": START_PROMPT, "rows": rows, "compiled_largest_over_smallest": last / first}
+
+
+def cache_size_lines(results: dict) -> list:
+    if "cache_sizes" not in results:
+        return []
+    sweep = results["cache_sizes"]
+    lines = ["", f"| plain step at context {sweep['context']} by cache size | eager ms (filled slots) | compiled ms "
+             "(whole cache) | compiled / eager | recompiles |", "| --- | --- | --- | --- | --- |"]
+    for size, r in sweep["rows"].items():
+        lines.append(f"| {size} slots | {r['eager_step_ms']:.2f} | {r['compiled_step_ms']:.2f} | "
+                     f"{r['compiled_step_ms'] / r['eager_step_ms']:.2f}x | {r['recompiles_after_warmup']} |")
+    return lines + ["", f"Compiled step, largest cache over smallest: {sweep['compiled_largest_over_smallest']:.2f}x."]
 
 
 def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
@@ -609,7 +652,7 @@ def markdown(results: dict) -> str:
                          + (f"{limit['tokens_per_s']:.1f} | {pct(limit['fraction'])} |" if limit else "- | - |"))
         lines += ["", f"Physical limit of a task: its tau x the copy bandwidth {copy:.4g} GB/s / the bytes floor "
                   f"{cycle['cycle_bytes_GB']:.4g} GB per cycle (at context {ctx}; the turns' own contexts differ)."]
-    return "\n".join(lines + tuned_tree_lines(results) + batch_lines(results)) + "\n"
+    return "\n".join(lines + tuned_tree_lines(results) + batch_lines(results) + cache_size_lines(results)) + "\n"
 
 
 def launcher(group) -> str:
@@ -646,6 +689,9 @@ def check_lengths(args, tree: TreeConfig):
     if args.eval and args.max_new_tokens + scratch >= args.max_seq_length:
         raise EagletError(f"--eval: max_new_tokens ({args.max_new_tokens}) + tree scratch ({scratch}) leaves no room "
                           f"for a prompt in --max_seq_length {args.max_seq_length}")
+    if args.cache_sizes and min(args.cache_sizes) <= START_PROMPT + 1:
+        raise EagletError(f"--cache_sizes: the steps run at context {START_PROMPT}; give caches of more than "
+                          f"{START_PROMPT + 1} slots, not {min(args.cache_sizes)}")
 
 
 def out_files(out: Path) -> tuple:
@@ -804,6 +850,9 @@ def main(argv=None):
             results["setup"]["batch_prompts"] = described
             results["batches"] = batch_sweep(target, draft, tree, args.batch_sizes, prompts, args.side_tokens,
                                              args.compile)
+        if args.cache_sizes:
+            print(f"timing a plain step in caches of {args.cache_sizes} slots, eager and compiled", flush=True)
+            results["cache_sizes"] = cache_size_sweep(target, args.cache_sizes, args.repeats)
         results["limit"] = limits(results, copy_bw)
         if group is not None:
             results["tensor_parallel"] = tensor_parallel(target, draft, tree, group)
