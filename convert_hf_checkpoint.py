@@ -15,9 +15,22 @@ exactly, the scales and zeros round to bf16 (the largest change it makes is prin
 as quantize.py has it, and layers the checkpoint left unquantized stay as they are. Act-order checkpoints
 whose groups are not contiguous, other bit widths, per-channel scales and other formats are refused by name.
 An existing model_int4.g<N>.pth is replaced only with --overwrite.
+
+For a folder that is read-only or shared (a hub cache), --out_dir OUT writes the converted file into OUT
+instead, with copies of the files the tools read beside it (config.json, generation_config.json, tokenizer.json,
+tokenizer.model, tokenizer_config.json, chat_template.jinja, chat_template.json, draft_vocab.json: those the
+folder has), and writes nothing in --checkpoint_dir; generate.py then needs only OUT:
+
+    python convert_hf_checkpoint.py --checkpoint_dir /shared/hub/Llama-2-7b-chat-hf --out_dir checkpoints/llama2
+    python generate.py --checkpoint_path checkpoints/llama2/model.pth --prompt "Hello"
+
+In OUT an existing converted file, or a copy that differs from the folder's, is replaced only with --overwrite
+(an identical copy is kept as it is).
 """
+import filecmp
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -31,8 +44,14 @@ def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_dir", required=True, type=Path,
                    help="Hugging Face checkpoint folder (config.json and the weights)")
+    p.add_argument("--out_dir", type=Path, default=None,
+                   help="write the converted file here (made if missing) with copies of the config and tokenizer "
+                        "files the tools read beside it, leaving --checkpoint_dir untouched (default: "
+                        "--checkpoint_dir itself)")
     p.add_argument("--overwrite", action="store_true",
-                   help="a Hub 4-bit target: replace the model_int4.g<N>.pth it writes if it exists")
+                   help="replace an existing converted file in --out_dir and the copies there that differ; a Hub "
+                        "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, model.pth and "
+                        "draft.pth are replaced without it)")
     return p.parse_args(argv)
 
 
@@ -528,8 +547,8 @@ def convert_int4_target(checkpoint_dir: Path, config: dict, weights: dict, tmp_d
     return out
 
 
-def hub_int4_output(checkpoint_dir: Path, config: dict, overwrite: bool):
-    """(scheme, output path) of a Hub 4-bit target, checked before any weight is read; None if not quantized."""
+def hub_int4_config(checkpoint_dir: Path, config: dict):
+    """The scheme of a Hub 4-bit target, checked before any weight is read; None if it is not quantized."""
     if config.get("quantization_config") is None:
         return None
     try:
@@ -537,15 +556,78 @@ def hub_int4_output(checkpoint_dir: Path, config: dict, overwrite: bool):
         check_int4_widths(ModelArgs.from_hf_config({"model_type": "llama", **config}), scheme)
     except EagletError as e:
         raise EagletError(f"{checkpoint_dir / 'config.json'}: {e}")
-    out_path = output_path(checkpoint_dir / "model.pth", "int4", scheme.groupsize)
-    if out_path.is_dir() or (out_path.exists() and not overwrite):
-        raise EagletError(f"{out_path} exists{'' if out_path.is_dir() else '; give --overwrite to replace it'}")
-    return scheme, out_path
+    return scheme
 
 
-def convert(checkpoint_dir, log=print, overwrite: bool = False) -> Path:
+# What generate.py, quantize.py and bench.py read beside a converted file: config.json (shapes and EOS ids),
+# generation_config.json (EOS ids), the tokenizer and its settings, the chat template, and the draft
+# vocabulary an EAGLE-1/2 head may have. --out_dir copies those the checkpoint has.
+FILES_BESIDE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                "chat_template.jinja", "chat_template.json", "draft_vocab.json")
+
+
+def out_folder(checkpoint_dir: Path, out_dir) -> Path:
+    """Where the converted file goes: out_dir, or the checkpoint's folder (also when out_dir is that folder)."""
+    if out_dir is None:
+        return checkpoint_dir
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
+    if out_dir.is_dir() and os.path.samefile(out_dir, checkpoint_dir):
+        return checkpoint_dir
+    return out_dir
+
+
+def refuse_existing(path: Path, overwrite: bool, detail: str = ""):
+    if path.is_dir() or (path.exists() and not overwrite):
+        raise EagletError(f"{path} exists{detail}{'' if path.is_dir() else '; give --overwrite to replace it'}")
+
+
+def same_contents(a: Path, b: Path) -> bool:
+    try:
+        return filecmp.cmp(a, b, shallow=False)
+    except OSError as e:
+        raise EagletError(f"cannot compare {a} with {b}: {e.strerror or e}")
+
+
+def files_to_copy(checkpoint_dir: Path, out_dir: Path, overwrite: bool, log=print) -> list:
+    """The FILES_BESIDE that checkpoint_dir has and out_dir lacks or holds otherwise; one held otherwise is
+    refused unless overwrite. An identical copy stays; so does a file of those names the checkpoint lacks."""
+    names = []
+    for name in FILES_BESIDE:
+        src, dst = checkpoint_dir / name, out_dir / name
+        if not src.is_file():
+            if dst.is_file():
+                log(f"note: {dst} is not from {checkpoint_dir}; the tools read it beside the converted file")
+            continue
+        if dst.is_file() and same_contents(src, dst):
+            continue
+        refuse_existing(dst, overwrite, f" and differs from {src}")
+        names.append(name)
+    return names
+
+
+def make_folder(out_dir: Path):
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EagletError(f"--out_dir {out_dir} cannot be made: {e.strerror or e}")
+
+
+def convert_weights(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: Path, hub_int4, is_target: bool,
+                    log=print) -> dict:
+    if hub_int4:
+        return convert_int4_target(checkpoint_dir, config, weights, tmp_dir, hub_int4, log)
+    if is_target:
+        return convert_target(checkpoint_dir, config, weights, tmp_dir, log)
+    eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"  # a head: its keys have no "model." prefix
+    return (convert_eagle3_head if eagle3 else convert_head)(checkpoint_dir, config, weights)
+
+
+def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) -> Path:
     """DIR/model.pth or DIR/draft.pth; a Hub 4-bit target's DIR/model_int4.g<N>.pth, which replaces a file of
-    that name only if overwrite."""
+    that name only if overwrite. DIR: out_dir if given, with copies of the FILES_BESIDE the checkpoint has
+    (there, an existing converted file or a different copy is replaced only if overwrite); else checkpoint_dir."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
@@ -554,38 +636,39 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False) -> Path:
         ModelArgs.from_hf_config({"model_type": "llama", **config})
     except EagletError as e:
         raise EagletError(f"{checkpoint_dir / 'config.json'}: {e}")
-    hub_int4 = hub_int4_output(checkpoint_dir, config, overwrite)
-    weights = load_hf_weights(checkpoint_dir, log)
+    out_dir, hub_int4 = out_folder(checkpoint_dir, out_dir), hub_int4_config(checkpoint_dir, config)
+    in_place = out_dir == checkpoint_dir
+    weights = load_hf_weights(checkpoint_dir, log)  # the names only
     is_target = any(k.startswith("model.") for k in weights) and not is_eagle3_config(config)
     if hub_int4 and not is_target:
         raise EagletError(f"{checkpoint_dir}: a quantized draft head; eaglet converts 4-bit targets (quantize.py "
                           "--mode int8 takes a converted head)")
+    out_path = output_path(out_dir / "model.pth", "int4", hub_int4.groupsize) if hub_int4 else \
+        out_dir / ("model.pth" if is_target else "draft.pth")
+    refuse_existing(out_path, overwrite or (in_place and not hub_int4))  # in place, model.pth is ours to replace
+    copies = [] if in_place else files_to_copy(checkpoint_dir, out_dir, overwrite, log)
+    make_folder(out_dir)
     try:
-        with tempfile.TemporaryDirectory(dir=checkpoint_dir, prefix=".eaglet-convert-") as tmp_dir:
-            if hub_int4:
-                out_path = hub_int4[1]
-                state_dict = convert_int4_target(checkpoint_dir, config, weights, Path(tmp_dir), hub_int4[0], log)
-            elif is_target:
-                out_path = checkpoint_dir / "model.pth"
-                state_dict = convert_target(checkpoint_dir, config, weights, Path(tmp_dir), log)
-            else:  # a draft head: its keys have no "model." prefix
-                eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"
-                convert_fn = convert_eagle3_head if eagle3 else convert_head
-                out_path, state_dict = checkpoint_dir / "draft.pth", convert_fn(checkpoint_dir, config, weights)
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".eaglet-convert-") as tmp_dir:
+            state_dict = convert_weights(checkpoint_dir, config, weights, Path(tmp_dir), hub_int4, is_target, log)
             log(f"writing {out_path}")
             torch.save(state_dict, Path(tmp_dir) / out_path.name)
+            for name in copies:  # before the converted file: a converted file in DIR has its config beside it
+                shutil.copyfile(checkpoint_dir / name, Path(tmp_dir) / name)
+                os.replace(Path(tmp_dir) / name, out_dir / name)
             os.replace(Path(tmp_dir) / out_path.name, out_path)  # an interrupted write leaves the old file whole
     except SafetensorError as e:  # a shard that is truncated or corrupt shows when its tensors are read
         raise EagletError(f"cannot read the weights in {checkpoint_dir}: {e}")
     except OSError as e:
-        raise EagletError(f"cannot write in {checkpoint_dir}: {e.strerror or e}")
+        elsewhere = " (give --out_dir to write elsewhere)" if in_place else ""
+        raise EagletError(f"cannot write in {out_dir}: {e.strerror or e}{elsewhere}")
     return out_path
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite)
+        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite, out_dir=args.out_dir)
     except EagletError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
