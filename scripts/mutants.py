@@ -91,6 +91,9 @@ MUTANTS = [
     M("compaction: only the keys moved", "model.py",
       "self.kv.index_copy_(4, dst_slots, self.kv.index_select(4, src_slots))",
       "self.kv[:, :1].index_copy_(4, dst_slots, self.kv[:, :1].index_select(4, src_slots))"),
+    M("K/V write: through a view of the shared buffer (the same values; compiled, a copy of all of it per layer)",
+      "model.py", "kv.index_put_((layer, k_or_v, rows, heads, slots), torch.stack([k, v]))",
+      "kv[self.index].index_put_((k_or_v, rows, heads, slots), torch.stack([k, v]))"),
     M("draft top-k: scores not normalised (raw logits rank the tree)", "draft.py",
       "logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)", "logp = values.float()"),
     # split attention (EAGLET_SPLIT)

@@ -74,6 +74,7 @@ def test_compiled_plain_step_writes_only_its_slot(mode):
     check_touches_one_layer_at_most(sizes, target)
 
 
+@pytest.mark.slow  # a minute of compiling; the fast tier's plain step catches a write through a view
 def test_compiled_cycle_writes_only_its_slots():
     """Expansion (the draft's cache), verify (the tree's scratch slots), commit (the accepted path moved after
     the context, every layer at once) and catch-up, in one compiled graph."""
