@@ -277,16 +277,21 @@ def prefill(model: Transformer, tokens: Tensor, start_pos: int):
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
                      filled: int = 0):
     """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
-    Eager callers may pass filled (input_pos + 1, known on the host): only those cache slots are read."""
+    Eager and compiled CPU callers pass filled (input_pos + 1, known on the host): only those cache slots
+    are read (compile_step)."""
     logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
     token = sample(logits[:, -1], sampling)
     return token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
 
 
 def compile_step(step_fn: Callable, device: str):
-    # CUDA graphs only make sense on CUDA; on CPU inductor alone still fuses the small ops.
-    mode = "reduce-overhead" if device.startswith("cuda") else None
-    return torch.compile(step_fn, mode=mode, fullgraph=True)
+    """CUDA: fixed shapes captured as a CUDA graph (a plain step's BlockMask keeps its reads to the filled cache
+    blocks). CPU: inductor alone, no graph to capture, so the plain step is compiled with dynamic shapes and
+    given the filled length as eager code is: one graph for every length, reading the filled slots only (over
+    the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md)."""
+    if device.startswith("cuda"):
+        return torch.compile(step_fn, mode="reduce-overhead", fullgraph=True)
+    return torch.compile(step_fn, fullgraph=True, dynamic=step_fn is decode_one_token)
 
 
 def compile_settings(target: Transformer, device: str):
@@ -706,8 +711,9 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
 def plain_call(model, sampling, step_fn, state, filled: int):
     """One plain step queued on the device: (what the host reads: [the token], the next state)."""
     token, ctx_len = state
-    eager = {} if step_fn else {"filled": filled + 1}  # compiled: fixed shapes; eager: attend over what is filled
-    token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **eager).clone()
+    # attend over what is filled, but in a CUDA graph (fixed shapes: its BlockMask skips the unfilled blocks)
+    read = {} if step_fn and token.is_cuda else {"filled": filled + 1}
+    token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **read).clone()
     return token.view(1), (token, ctx_len + 1)
 
 
