@@ -131,11 +131,12 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
+from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
+                    cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
+                    verify, weight_bytes, weights_format)
 from generate import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEMO_MAX_NEW_TOKENS, DEMO_PROMPT,  # noqa: E402
-                      PRECISIONS, TREE_GRID, SamplingConfig, TreeConfig, catch_up, check_tune_fits, check_writable,
-                      commit, compile_settings, compile_step, cycle_start, cycle_timing, cycle_weight_bytes,
-                      decode_one_token, device_sync, generate, generate_batch, load_draft, load_target, pick_device,
-                      speculative_cycle, tree_name, tune_tree, verify, weight_bytes, weights_format, write_output)
+                      PRECISIONS, TREE_GRID, check_tune_fits, check_writable, cycle_start, cycle_timing, load_draft,
+                      load_target, pick_device, tree_name, tune_tree, write_output)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402

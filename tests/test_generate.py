@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import decode
 import generate
 from conftest import (ROOT, SHARED, expect_error, make_agreeing_pair, make_hf_checkpoint, read_generation,
                       scripted_input, tiny_config, write_tokenizer)
@@ -54,11 +55,11 @@ def test_sampling_is_seeded_and_respects_top_k(checkpoints, tmp_path):
 
 def test_sampling_distribution_processing():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    probs = generate.logits_to_probs(logits, generate.SamplingConfig(temperature=0.5, top_p=0.9))
+    probs = decode.logits_to_probs(logits, generate.SamplingConfig(temperature=0.5, top_p=0.9))
     full = torch.softmax(logits / 0.5, -1)
     assert full[0, 0] < 0.9 < full[0, :2].sum()  # so top_p keeps exactly two tokens
     assert torch.allclose(probs, torch.cat([full[:, :2] / full[0, :2].sum(), torch.zeros(1, 2)], -1))
-    probs = generate.logits_to_probs(logits, generate.SamplingConfig(temperature=1.0, top_k=3))
+    probs = decode.logits_to_probs(logits, generate.SamplingConfig(temperature=1.0, top_k=3))
     assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.softmax(logits[0, :3], -1))
 
 
