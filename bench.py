@@ -130,12 +130,13 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from chat import write_output  # noqa: E402
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
                     verify, weight_bytes, weights_format)
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, load_draft,  # noqa: E402
-                      load_target, pick_device, write_output)
+                      load_target, pick_device)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402

@@ -243,16 +243,16 @@ MUTANTS = [
     M("eagle3: norm_output not fed back", "draft.py", "return self.norm(h) if self.flags.norm_output else h", "return h"),
     # the user's hour
     M("stop: the tokens past the stop string are kept", "decode.py", "        del tokens[start + keep:]\n", ""),
-    M("json_out: only the last sample is written", "generate.py",
+    M("json_out: only the last sample is written", "chat.py",
       '"samples": samples,', '"samples": samples[-1:],'),
-    M("interactive: Ctrl-C keeps trusting the cache", "generate.py",
+    M("interactive: Ctrl-C keeps trusting the cache", "chat.py",
       "            cached = []\n            continue", "            continue"),
     M("self-distill: the record ignores max_new_tokens", "train_draft.py",
       '"seq_len": seq_len, "max_new_tokens": max_new_tokens,', '"seq_len": seq_len,'),
     M("self-distill: a partial file is never resumed", "train_draft.py",
       "            done = found.replies\n", "            done = {}\n"),
     # the rest
-    M("streamer: prints half a character", "generate.py", 'if not self.text.endswith("\\ufffd"):', "if True:"),
+    M("streamer: prints half a character", "chat.py", 'if not self.text.endswith("\\ufffd"):', "if True:"),
     M("quantize: int8 scale off by one step", "quantize.py",
       "scales = (w.abs().amax(dim=1) / 127)", "scales = (w.abs().amax(dim=1) / 128)"),
 ]
