@@ -129,16 +129,19 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from chat import write_output  # noqa: E402
 from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
-from generate import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEMO_MAX_NEW_TOKENS, DEMO_PROMPT,  # noqa: E402
-                      PRECISIONS, TREE_GRID, SamplingConfig, TreeConfig, catch_up, check_tune_fits, check_writable,
-                      commit, compile_settings, compile_step, cycle_start, cycle_timing, cycle_weight_bytes,
-                      decode_one_token, device_sync, generate, generate_batch, load_draft, load_target, pick_device,
-                      speculative_cycle, tree_name, tune_tree, verify, weight_bytes, weights_format, write_output)
+from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
+                    cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
+                    verify, weight_bytes, weights_format)
+from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, load_draft,  # noqa: E402
+                      load_target, pick_device)
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
 import tp  # noqa: E402
+from tune import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, check_tune_fits, cycle_start,  # noqa: E402
+                  cycle_timing, tree_name, tune_tree)
 
 
 def random_module(module_cls, args, device, dtype, **kwargs):

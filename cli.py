@@ -9,6 +9,16 @@ import time
 from typing import Callable, Union
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
+# generate.py's demo prompt and what its --tree auto measures (tune.py), here so that its --help can name them.
+DEMO_PROMPT = "def read_lines(path):\n"  # where the small demo model writes plausible code for a while
+# --tree auto's trees, as (depth, tree_topk, total_tokens): chains (tree_topk 1, total_tokens = depth + 1), which win
+# where every verified token costs time (a batch-1 EAGLE-3 chain of 7 beat top-k trees on an H200), trees up to
+# int4's first 16-row step and past it, and the default 6/10/60.
+TREE_GRID = ((3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 3, 16), (6, 4, 32), (6, 10, 60))
+# Prompts --tree auto decodes (greedy, CALIBRATION_TOKENS each) to measure each tree's tau: code, prose, a question.
+CALIBRATION_PROMPTS = (DEMO_PROMPT, "The history of the printing press begins",
+                       "Question: why does ice float on water?\nAnswer:")
+CALIBRATION_TOKENS = 64
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -29,6 +39,10 @@ def cli_parser(doc: str) -> argparse.ArgumentParser:
     if torchrun_rank():  # --help and usage once, from rank 0
         p.print_help = p.print_usage = lambda *args, **kwargs: None
     return p
+
+
+def grid_text(grid=TREE_GRID) -> str:
+    return ", ".join(f"{d}/{k}/{n}" for d, k, n in grid)
 
 
 def torchrun_rank():

@@ -49,6 +49,7 @@ from model import (QUANT_KEY, EagletError, Transformer, attention_mask, causal_m
                    pack_quantized, sdpa_inputs, use_quantized_linears)
 from quantize import GROUPSIZES, quantize_state_dict  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
+import tune  # noqa: E402
 
 REDUCED = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
                num_key_value_heads=2, head_dim=128, max_position_embeddings=8192)  # as tests/test_inflate.py
@@ -275,7 +276,7 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     out["side_by_side"] = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, with_hf, prompt)
     out["EAGLE-2"] = eagle_bytes(target, draft, tree, out["side_by_side"])
     timings = []
-    out["total_tokens_auto"] = generate.pick_total_tokens(target, tree, log=timings.append)
+    out["total_tokens_auto"] = tune.pick_total_tokens(target, tree, log=timings.append)
     out["total_tokens_auto_log"] = timings[-1]  # the verify's ms at each tree size
     return out
 
@@ -386,7 +387,7 @@ def call_each(layers, x):
 def seconds_per_replay(fn, device: str, repeats: int) -> float:
     """fn compiled on its first call, then timed as the compiled cycle runs it (a CUDA graph on CUDA)."""
     fn()
-    return generate.seconds_per_call(fn, device, repeats)
+    return tune.seconds_per_call(fn, device, repeats)
 
 
 @torch.no_grad()

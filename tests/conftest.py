@@ -332,6 +332,23 @@ def read_generation(path: Path) -> dict:
     return {"prompt_tokens": written["prompt_tokens"], **written["samples"][0]}
 
 
+def run_cli(tmp_path, argv) -> dict:
+    """generate.py's main(argv) with --json_out, read back as read_generation reads it."""
+    from generate import main
+    out = tmp_path / "out.json"
+    main(argv + ["--json_out", str(out)])
+    return read_generation(out)
+
+
+@pytest.fixture(scope="session")
+def spec_pair(tmp_path_factory):
+    """A converted target and a head that agrees with it on 70% of tokens, for the CLI's tests."""
+    from convert_hf_checkpoint import convert
+    target, head, _ = make_agreeing_pair(tmp_path_factory.mktemp("first_hour"), wrong_fraction=0.3, layer_scale=0.3)
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
+    return target, head
+
+
 def scripted_input(lines):
     """A stand-in for input(): returns the lines in turn, then raises EOFError like a closed terminal."""
     turns = iter(lines)

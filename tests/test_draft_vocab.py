@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import decode
 import generate
 from conftest import expect_error, make_agreeing_pair, write_tokenizer
 from convert_hf_checkpoint import convert
@@ -57,10 +58,10 @@ def test_reduced_vocabulary_is_lossless_and_proposes_only_its_tokens(pair, tmp_p
     print(f"tau with 40 of 64 tokens: {tau:.2f} (8.00 with all)")
     assert 1.0 < tau < 8.0
     with torch.no_grad():  # one expansion after a prefill: every proposed token is in the draft vocabulary
-        logits, features = generate.prefill(model, torch.tensor([[1, 5, 9]]), 0)
+        logits, features = decode.prefill(model, torch.tensor([[1, 5, 9]]), 0)
         root = logits.argmax(-1)[0]
-        h = generate.catch_up(model, draft, torch.tensor([5, 9, int(root)]), features[0], torch.tensor(0),
-                              torch.tensor(2))
+        h = decode.catch_up(model, draft, torch.tensor([5, 9, int(root)]), features[0], torch.tensor(0),
+                            torch.tensor(2))
         tree = TreeConfig().expand(model, draft, root, torch.tensor(3), h)
     assert set(tree.tokens[1:].tolist()) <= set(kept.tolist())
 

@@ -9,7 +9,8 @@ import torch
 
 import generate
 from conftest import ROOT, read_generation
-from generate import SamplingConfig, TreeConfig, load_draft, load_target, prefill
+from decode import SamplingConfig, TreeConfig, prefill
+from generate import load_draft, load_target
 from model import EagletError, causal_mask
 from test_inflate import REDUCED
 from tokenizer import Tokenizer

@@ -4,6 +4,7 @@ costs exactness or acceptance here, where a target that barely attends would hid
 import pytest
 import torch
 
+import decode
 import generate
 from conftest import CTX_A, CTX_B1, CTX_B2, CTX_VOCAB, make_context_pair
 from convert_hf_checkpoint import convert
@@ -105,8 +106,8 @@ def test_catch_up_output_matches_a_reference_recomputation(context, name, monkey
         h = generate_catch_up(target, draft, emitted, features, ctx_len, n_accepted)
         handed_on.append(((ctx_len + n_accepted).item(), h.clone()))
         return h
-    generate_catch_up = generate.catch_up
-    monkeypatch.setattr(generate, "catch_up", recording_catch_up)
+    generate_catch_up = decode.catch_up
+    monkeypatch.setattr(decode, "catch_up", recording_catch_up)
     prompt = prompts(1, seed=4)[0]
     result = generate.generate(model, prompt, 60, GREEDY, draft=draft)
     seq = prompt + result.tokens

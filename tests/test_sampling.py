@@ -7,10 +7,12 @@ from itertools import product
 import pytest
 import torch
 
+import decode
 import generate
 from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, accept, load_draft, load_target, logits_to_probs, sample
+from decode import SamplingConfig, TreeConfig, accept, logits_to_probs, sample
+from generate import load_draft, load_target
 
 VOCAB, PROMPT, N_TOKENS = 8, [1, 5, 3], 3
 TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
@@ -132,7 +134,7 @@ def accept_with_draft_ratio(tree, logits, sampling, levels):
 def test_wrong_acceptance_rules_are_caught(pair, monkeypatch, wrong_rule):
     target_dir, model, draft = pair
     sampling = SamplingConfig(temperature=1.0)
-    monkeypatch.setattr(generate, "accept", wrong_rule)
+    monkeypatch.setattr(decode, "accept", wrong_rule)
     counts = speculative_samples(model, draft, sampling)
     assert chi_square_p_below(counts, exact_distribution(target_dir, sampling))
 

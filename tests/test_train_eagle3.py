@@ -11,7 +11,8 @@ import train_draft
 from conftest import expect_error, read_generation
 from convert_hf_checkpoint import convert
 from draft import Eagle3Draft, build_tree
-from generate import SamplingConfig, TreeConfig, catch_up, load_draft, load_target
+from decode import SamplingConfig, TreeConfig, catch_up
+from generate import load_draft, load_target
 
 GREEDY = SamplingConfig()
 PUBLISHED_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {

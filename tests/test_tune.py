@@ -6,9 +6,11 @@ import pytest
 
 import bench
 import generate
+import tune
 from conftest import ROOT, expect_error, read_generation
-from generate import SamplingConfig, TreeConfig, TreeMeasure
+from decode import SamplingConfig, TreeConfig
 from model import EagletError
+from tune import TreeMeasure
 
 pytestmark = pytest.mark.skipif(not (ROOT / "demo" / "head" / "draft.pth").is_file(),
                                 reason="no demo/ (scripts/make_demo.py)")
@@ -21,7 +23,7 @@ def demo():
     model = generate.load_target(ROOT / "demo" / "target", "cpu", "fp32", max_seq_length=256)
     draft = generate.load_draft(ROOT / "demo" / "head", model)
     tokenizer = generate.Tokenizer(ROOT / "demo" / "target")
-    prompts = [tokenizer.encode(text) for text in generate.CALIBRATION_PROMPTS[:2]]
+    prompts = [tokenizer.encode(text) for text in tune.CALIBRATION_PROMPTS[:2]]
     return model, draft, prompts
 
 
@@ -65,7 +67,7 @@ def fake_tau(monkeypatch, taus):
     def measure(target, draft, tree, prompts, new_tokens):
         calls.append(tree)
         return taus[(tree.depth, tree.topk, tree.total_tokens)]
-    monkeypatch.setattr(generate, "measure_tau", measure)
+    monkeypatch.setattr(tune, "measure_tau", measure)
     return calls
 
 
@@ -76,14 +78,14 @@ def expected_choice(taus: dict, seconds: dict) -> tuple:
 
 
 def test_grid_holds_chains_and_the_default_and_is_in_help(capsys):
-    trees = [TreeConfig(*point) for point in generate.TREE_GRID]  # raises for a total_tokens past the tree's max
-    assert (6, 10, 60) in generate.TREE_GRID and len(set(generate.TREE_GRID)) == len(trees)
+    trees = [TreeConfig(*point) for point in tune.TREE_GRID]  # raises for a total_tokens past the tree's max
+    assert (6, 10, 60) in tune.TREE_GRID and len(set(tune.TREE_GRID)) == len(trees)
     assert [t for t in trees if t.topk == 1 and t.total_tokens == t.depth + 1]
     assert all(2 <= t.total_tokens <= t.max_total_tokens for t in trees)
     with pytest.raises(SystemExit):
         generate.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert generate.grid_text(generate.TREE_GRID) in help_text and "3/1/4" in help_text
+    assert tune.grid_text(tune.TREE_GRID) in help_text and "3/1/4" in help_text
 
 
 @pytest.mark.parametrize("winner", [1, 2])
@@ -94,21 +96,21 @@ def test_choice_is_the_argmax_of_tau_over_cycle_time(demo, taus, winner, capsys)
     score = {p: 1.0 for p in GRID}
     score[GRID[winner]] = 1.5
     seconds = {p: taus[p] / score[p] for p in GRID}
-    chosen, measured = generate.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, FakeTimer(seconds))
+    chosen, measured = tune.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, FakeTimer(seconds))
     assert [(m.tree.depth, m.tree.topk, m.tree.total_tokens) for m in measured] == list(GRID)
     assert [m.tau for m in measured] == pytest.approx([taus[p] for p in GRID])
     assert (chosen.depth, chosen.topk, chosen.total_tokens) == expected_choice(taus, seconds) == GRID[winner]
     out = capsys.readouterr().out
     for m in measured:
-        assert f"{generate.tree_name(m.tree)}: tau {m.tau:.2f}, {m.cycle_s * 1e3:.2f} ms per cycle, " \
+        assert f"{tune.tree_name(m.tree)}: tau {m.tau:.2f}, {m.cycle_s * 1e3:.2f} ms per cycle, " \
                f"{m.tau / m.cycle_s:.1f} tokens/s" in out
-    assert f"tree auto: {generate.tree_name(chosen)} (" in out and "s of tuning" in out
+    assert f"tree auto: {tune.tree_name(chosen)} (" in out and "s of tuning" in out
 
 
 def test_the_same_timings_give_the_same_choice(demo, fake_tau):
     model, draft, prompts = demo
     seconds = {p: 0.01 * (1 + i) for i, p in enumerate(GRID)}
-    runs = [generate.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, FakeTimer(seconds), log=lambda s: None)
+    runs = [tune.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, FakeTimer(seconds), log=lambda s: None)
             for _ in range(2)]
     assert runs[0][0] == runs[1][0] and [m.tau for m in runs[0][1]] == [m.tau for m in runs[1][1]]
 
@@ -116,15 +118,15 @@ def test_the_same_timings_give_the_same_choice(demo, fake_tau):
 def test_a_tie_goes_to_the_fewest_tokens_then_the_smaller_depth():
     rows = [TreeMeasure(TreeConfig(3, 4, 12), 4.0, 1.0), TreeMeasure(TreeConfig(3, 1, 4), 2.0, 0.5),
             TreeMeasure(TreeConfig(2, 4, 12), 4.0, 1.0), TreeMeasure(TreeConfig(2, 3, 8), 3.0, 1.0)]
-    assert generate.best_tree(rows).tree == TreeConfig(3, 1, 4)
-    assert generate.best_tree([rows[0], rows[2]]).tree == TreeConfig(2, 4, 12)
-    assert generate.best_tree(rows[::-1]).tree == TreeConfig(3, 1, 4)  # not the order measured
+    assert tune.best_tree(rows).tree == TreeConfig(3, 1, 4)
+    assert tune.best_tree([rows[0], rows[2]]).tree == TreeConfig(2, 4, 12)
+    assert tune.best_tree(rows[::-1]).tree == TreeConfig(3, 1, 4)  # not the order measured
 
 
 def key_for(demo, **changes):
     """The demo's key on this CPU, with some of its fields changed (another device, another format)."""
     model, draft, prompts = demo
-    key = generate.tree_key(ROOT / "demo" / "target" / "model.pth", ROOT / "demo" / "head" / "draft.pth", model,
+    key = tune.tree_key(ROOT / "demo" / "target" / "model.pth", ROOT / "demo" / "head" / "draft.pth", model,
                             draft, "cpu", "fp32", prompts, GRID, NEW_TOKENS)
     assert all(name in key for name in changes)
     return {**key, **changes}
@@ -136,7 +138,7 @@ def test_the_choice_is_cached_per_key(demo, taus, fake_tau, tmp_path):
     first = {p: taus[p] / (2.0 if p == GRID[0] else 1.0) for p in GRID}  # GRID[0] wins
     second = {p: taus[p] / (2.0 if p == GRID[3] else 1.0) for p in GRID}  # GRID[3] wins
     timer = FakeTimer(first)
-    pick = lambda key, timer: generate.pick_tree(model, draft, prompts, key, cache, GRID, NEW_TOKENS,  # noqa: E731
+    pick = lambda key, timer: tune.pick_tree(model, draft, prompts, key, cache, GRID, NEW_TOKENS,  # noqa: E731
                                                  timer=timer, log=lines.append)
     key = key_for(demo)
     assert pick(key, timer) == TreeConfig(*GRID[0]) and timer.calls == len(GRID)
@@ -145,7 +147,7 @@ def test_the_choice_is_cached_per_key(demo, taus, fake_tau, tmp_path):
     assert [m["tau"] for m in entry["measured"]] == pytest.approx([taus[p] for p in GRID])
     lines.clear()
     assert pick(key, timer) == TreeConfig(*GRID[0]) and timer.calls == len(fake_tau) == len(GRID)  # not again
-    assert lines == [f"tree auto: {generate.tree_name(TreeConfig(*GRID[0]))}, read from {cache} (tuned before for "
+    assert lines == [f"tree auto: {tune.tree_name(TreeConfig(*GRID[0]))}, read from {cache} (tuned before for "
                      "this target, head, device and format; not measured again: delete the file to tune again)"]
     # another device, another format: measured again, each key keeps its own choice
     for n, other in enumerate([key_for(demo, device="NVIDIA H100 80GB HBM3"), key_for(demo, weights="int4 g128")]):
@@ -163,7 +165,7 @@ def test_the_key_names_what_the_choice_depends_on(demo):
     assert key["head"]["bytes"] == (ROOT / "demo" / "head" / "draft.pth").stat().st_size
     assert key["grid"] == [list(p) for p in GRID] and key["calibration"]["new_tokens"] == NEW_TOKENS
     model, draft, prompts = demo
-    other_prompts = generate.tree_key(ROOT / "demo" / "target" / "model.pth", ROOT / "demo" / "head" / "draft.pth",
+    other_prompts = tune.tree_key(ROOT / "demo" / "target" / "model.pth", ROOT / "demo" / "head" / "draft.pth",
                                       model, draft, "cpu", "fp32", prompts[:1], GRID, NEW_TOKENS)
     assert other_prompts["calibration"] != key["calibration"]
 
@@ -182,7 +184,7 @@ def test_a_corrupt_cache_is_said_and_tuned_again(demo, taus, fake_tau, tmp_path,
         text = json.dumps({"choices": [{"key": key, **({"tree": text} if text else {})}]})
     cache.write_text(text)
     timer = FakeTimer({p: taus[p] / (2.0 if p == GRID[2] else 1.0) for p in GRID})
-    tree = generate.pick_tree(model, draft, prompts, key, cache, GRID, NEW_TOKENS, timer=timer, log=lines.append)
+    tree = tune.pick_tree(model, draft, prompts, key, cache, GRID, NEW_TOKENS, timer=timer, log=lines.append)
     assert tree == TreeConfig(*GRID[2]) and timer.calls == len(GRID)
     assert lines[0].startswith(f"warning: the tree cache {cache} cannot be read (") and lines[0].endswith(
         "); tuning again")
@@ -194,7 +196,7 @@ def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(demo, taus, 
     cache, lines = tmp_path / "tree_choice.json", []
     cache.mkdir()  # a folder where the file should be
     timer = FakeTimer({p: 1.0 for p in GRID})
-    tree = generate.pick_tree(model, draft, prompts, key_for(demo), cache, GRID, NEW_TOKENS, timer=timer,
+    tree = tune.pick_tree(model, draft, prompts, key_for(demo), cache, GRID, NEW_TOKENS, timer=timer,
                               log=lines.append)
     best = max(GRID, key=lambda p: (taus[p], -p[2]))
     assert tree == TreeConfig(*best) and timer.calls == len(GRID)
@@ -212,9 +214,9 @@ def test_a_grid_that_does_not_fit_the_cache_is_refused_before_measuring(demo):
         with pytest.raises(EagletError, match=r"--tree auto: the tree depth 3, top-k 4, 12 tokens needs 12 scratch "
                            rf"slots; with the longest calibration prompt \({longest} tokens\) and its {NEW_TOKENS} new "
                            rf"tokens that is {longest + NEW_TOKENS + 12}, over the KV cache"):
-            generate.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, timer)
+            tune.tune_tree(model, draft, prompts, GRID, NEW_TOKENS, timer)
         with pytest.raises(EagletError, match="total_tokens must be between 2 and 4"):  # past its max_total_tokens
-            generate.tune_tree(model, draft, prompts, ((2, 1, 3), (2, 1, 5)), NEW_TOKENS, timer)
+            tune.tune_tree(model, draft, prompts, ((2, 1, 3), (2, 1, 5)), NEW_TOKENS, timer)
         assert timer.calls == 0
     finally:
         model.setup_caches(1, size)
@@ -237,9 +239,9 @@ def test_cli_tree_auto_end_to_end_equals_plain_decoding(tmp_path, monkeypatch, c
     """--tree auto on the demo tunes (a small grid, real timings), decodes with its choice exactly as plain
     decoding does, and the second run reads the choice from the cache."""
     grid = (GRID[1], GRID[3])
-    monkeypatch.setattr(generate, "TREE_GRID", grid)
-    monkeypatch.setattr(generate, "CALIBRATION_PROMPTS", generate.CALIBRATION_PROMPTS[:1])
-    monkeypatch.setattr(generate, "CALIBRATION_TOKENS", NEW_TOKENS)
+    monkeypatch.setattr(tune, "TREE_GRID", grid)
+    monkeypatch.setattr(tune, "CALIBRATION_PROMPTS", tune.CALIBRATION_PROMPTS[:1])
+    monkeypatch.setattr(tune, "CALIBRATION_TOKENS", NEW_TOKENS)
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
     base = ["--max_new_tokens", "30", "--device", "cpu"]
     generate.main(base + ["--no_draft", "--json_out", str(tmp_path / "plain.json")])
@@ -253,9 +255,9 @@ def test_cli_tree_auto_end_to_end_equals_plain_decoding(tmp_path, monkeypatch, c
     entry, = json.loads((tmp_path / "cache" / "tree_choice.json").read_text())["choices"]
     chosen = TreeConfig(**entry["tree"])
     assert (chosen.depth, chosen.topk, chosen.total_tokens) in grid
-    assert "tree auto: measuring 2 trees" in runs[0] and f"tree auto: {generate.tree_name(chosen)} (" in runs[0]
+    assert "tree auto: measuring 2 trees" in runs[0] and f"tree auto: {tune.tree_name(chosen)} (" in runs[0]
     assert sum(line.startswith("  depth ") and "ms per cycle" in line for line in runs[0].splitlines()) == 2
-    assert "measuring" not in runs[1] and f"tree auto: {generate.tree_name(chosen)}, read from" in runs[1]
+    assert "measuring" not in runs[1] and f"tree auto: {tune.tree_name(chosen)}, read from" in runs[1]
     for out in runs:  # the run's own tree is the choice
         assert f"tree {chosen.total_tokens} tokens, depth {chosen.depth}, top-k {chosen.topk};" in out
 
@@ -278,7 +280,7 @@ def test_bench_tune_tree_reports_the_choice_against_the_flags_tree(tmp_path, mon
         tuned["chosen"]
     assert all(r["tokens_per_s"] > 0 and r["tau"] >= 1 for r in runs.values()) and tuned["same_tokens"]
     assert tuned["speedup"] == pytest.approx(runs["tuned"]["tokens_per_s"] / runs["flags"]["tokens_per_s"])
-    assert f"Chosen: {generate.tree_name(TreeConfig(**tuned['chosen']))}, in" in md and "| flags: depth 3" in md
+    assert f"Chosen: {tune.tree_name(TreeConfig(**tuned['chosen']))}, in" in md and "| flags: depth 3" in md
 
 
 def test_bench_tune_tree_is_refused_before_measuring_when_it_does_not_fit(tmp_path, monkeypatch, capsys):
@@ -292,10 +294,10 @@ def test_cli_tree_auto_with_several_prompts_tunes_at_batch_1(tmp_path, monkeypat
     """Two prompts decoded together: the tuning runs on one-row caches, then the batch on two rows, each prompt's
     tokens as plain decoding's."""
     timer = FakeTimer({GRID[1]: 1.0, GRID[3]: 2.0})
-    monkeypatch.setattr(generate, "time_cycle", timer)
-    monkeypatch.setattr(generate, "TREE_GRID", (GRID[1], GRID[3]))
-    monkeypatch.setattr(generate, "CALIBRATION_PROMPTS", generate.CALIBRATION_PROMPTS[:1])
-    monkeypatch.setattr(generate, "CALIBRATION_TOKENS", NEW_TOKENS)
+    monkeypatch.setattr(tune, "time_cycle", timer)
+    monkeypatch.setattr(tune, "TREE_GRID", (GRID[1], GRID[3]))
+    monkeypatch.setattr(tune, "CALIBRATION_PROMPTS", tune.CALIBRATION_PROMPTS[:1])
+    monkeypatch.setattr(tune, "CALIBRATION_TOKENS", NEW_TOKENS)
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
     base = ["--prompt", "def f(x):\n", "--prompt", "import os\n", "--max_new_tokens", "20", "--device", "cpu"]
     generate.main(base + ["--tree", "auto", "--json_out", str(tmp_path / "auto.json")])

@@ -1,0 +1,494 @@
+"""Decoding, the Python API's core: sampling, the plain step, the EAGLE-2 cycle in its phases (expand, verify,
+commit, catch-up: speculative_cycle) and generate / generate_batch, which run them and read their tokens back;
+last, what a step reads in weights (the GB/s figures).
+
+Imports model.py, draft.py and tp.py, nothing above them. The cycle lives here, below generate.py, because
+the tree tuner (tune.py) decodes with it and generate.py's main runs the tuner: with the cycle in generate.py,
+the two would import each other. generate.py re-exports the names forks use (from generate import generate).
+"""
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from draft import DraftHead, DraftTree, build_tree, take
+from model import EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask, decode_mask
+import tp
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+
+    def __post_init__(self):
+        if not all(map(math.isfinite, (self.temperature, self.top_p))):
+            raise EagletError(f"temperature and top_p must be finite numbers, got {self.temperature} and {self.top_p}")
+        if self.temperature < 0:
+            raise EagletError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EagletError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise EagletError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: list
+    tokens: list  # generated ids, prompt excluded
+    seconds: float
+    accept_lengths: list = field(default_factory=list)  # tokens emitted per cycle (speculative only)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per cycle, bonus included."""
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """The target distribution under temperature, top-k and top-p; the one place sampling is defined."""
+    logits = logits.float()
+    # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
+    # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.
+    temperature = max(sampling.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p  # keeps the token crossing top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from_probs(probs: Tensor) -> Tensor:
+    # Exponential race instead of torch.multinomial: same distribution, no device-to-host sync.
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+def sample(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(logits_to_probs(logits, sampling))
+
+
+def prefill(model: Transformer, tokens: Tensor, start_pos: int):
+    """Write tokens [1, T] at positions start_pos.. into the cache; return (last logits, all features)."""
+    input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
+    mask = causal_mask(input_pos, start_pos + tokens.shape[1])  # eager: attend over the filled slots only
+    logits, hidden = model(tokens, input_pos, input_pos, mask, logits_idx=torch.tensor([-1], device=tokens.device))
+    return logits[:, -1], hidden
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
+                     filled: int = 0):
+    """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
+    Eager and compiled CPU callers pass filled (input_pos + 1, known on the host): only those cache slots
+    are read (compile_step)."""
+    logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
+    token = sample(logits[:, -1], sampling)
+    return token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
+
+
+def compile_step(step_fn: Callable, device: str):
+    """CUDA: fixed shapes captured as a CUDA graph (a plain step's BlockMask keeps its reads to the filled cache
+    blocks). CPU: inductor alone, no graph to capture, so the plain step is compiled with dynamic shapes and
+    given the filled length as eager code is: one graph for every length, reading the filled slots only (over
+    the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md)."""
+    if device.startswith("cuda"):
+        return torch.compile(step_fn, mode="reduce-overhead", fullgraph=True)
+    return torch.compile(step_fn, fullgraph=True, dynamic=step_fn is decode_one_token)
+
+
+def compile_settings(target: Transformer, device: str):
+    """A quantized Linear converts its weight inside the graph; inductor turns a one-row matmul over such a
+    weight into a fused GEMV (reading int8 bytes, not a bf16 copy written each step) only with
+    coordinate-descent tuning on (torch 2.13's mm decomposition), as gpt-fast sets it. bf16 targets keep
+    cuBLAS's GEMV, as measured (BENCHMARKS.md)."""
+    if str(device).startswith("cuda") and target.quantization:
+        torch._inductor.config.coordinate_descent_tuning = True
+
+
+def device_sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class TreeConfig:
+    """EAGLE-2's dynamic tree. What the cycle asks of a tree rule: total_tokens (nodes verified, root
+    included), levels (the most tokens one cycle can emit), scratch (cache slots used past the context) and
+    expand(). A static tree or a chain is another such class; --tree_topk 1 --total_tokens depth + 1 is a chain."""
+    depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
+    topk: int = 10  # children per expanded node, and nodes kept per level
+    total_tokens: int = 60  # tokens the target verifies per cycle, root included
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1:
+            raise EagletError(f"depth and tree_topk must be at least 1, got {self.depth} and {self.topk}")
+        if not 2 <= self.total_tokens <= self.max_total_tokens:
+            raise EagletError(f"total_tokens must be between 2 and {self.max_total_tokens} (1 + tree_topk + "
+                              f"depth * tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The root plus every candidate the expansion produces."""
+        return 1 + self.topk + self.depth * self.topk ** 2
+
+    @property
+    def levels(self) -> int:
+        """Tokens a cycle emits at most: a path through every level below the root, and the bonus token."""
+        return self.depth + 2
+
+    @property
+    def scratch(self) -> int:
+        """Cache slots needed past the context: the verified tree, the draft's levels, the catch-up."""
+        return max(self.total_tokens, self.depth * self.topk, self.levels)
+
+    def expand(self, target: Transformer, draft: DraftHead, root, ctx_len, h_last) -> DraftTree:
+        """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
+        return build_tree(partial(draft.step, target), partial(draft.topk, target), h_last, root, ctx_len,
+                          self.topk, self.depth, self.total_tokens, target.max_seq_length)
+
+
+def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
+    """The longest path of the tree the target agrees with, and the bonus token after it.
+
+    At every node the target picks its own next token: argmax (greedy), or one draw from its processed
+    distribution p. A child is accepted iff it is its parent's pick. For sampling this IS the recursive
+    rule of tree speculative sampling (try the children in order, accept x with probability p(x), zero and renormalise on
+    rejection, bonus from what is left): with deterministic drafts that rule accepts child x with
+    probability exactly p(x), and otherwise yields a draw from p restricted to the non-children -- the
+    same as one draw x ~ p, taken as the accepted child if it is one and as the bonus if not.
+    Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus);
+    a batch of trees: the same per row, with a leading [B].
+    """
+    pick = sample(logits, sampling)  # [N]
+    correct = tree.tokens == pick.gather(-1, tree.parents)
+    correct[..., 0] = True
+    accepted = (tree.ancestors & ~correct[..., None, :]).sum(dim=-1) == 0  # the node and all its ancestors correct
+    # Siblings differ, so the accepted nodes form one chain; take its end. (Indices stay 1-element
+    # tensors: indexing with a 0-d tensor would read it back to the host.)
+    best = torch.where(accepted, tree.depths, -1).argmax(dim=-1, keepdim=True)
+    depth_of_row = torch.arange(levels, device=pick.device)[:, None]  # [levels, 1]
+    at_depth = tree.ancestors.gather(-2, best[..., None].expand(*best.shape, tree.tokens.shape[-1])) & \
+        (tree.depths[..., None, :] == depth_of_row)
+    path = at_depth.int().argmax(dim=-1)
+    return path, tree.depths.gather(-1, best)[..., 0], pick.gather(-1, best)[..., 0]
+
+
+def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
+    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context (per row: a batch
+    of trees, each after its own row's context)."""
+    n = tree.tokens.shape[-1]
+    start = ctx_len[..., None]
+    logits, features = target(tree.tokens.view(-1, n), start + tree.depths, start + torch.arange(n, device=ctx_len.device),
+                              attention_mask(ctx_len, tree.ancestors, target.max_seq_length))
+    return logits.view(*tree.tokens.shape, -1), features.view(*tree.tokens.shape, -1)
+
+
+def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling: SamplingConfig,
+           levels: int):
+    """Phase 3: acceptance, and the accepted path's K/V moved in place to the slots after the context.
+    Returns the emitted tokens (padded to levels), accepted drafts, the bonus token and the path."""
+    path, n_accepted, bonus = accept(tree, logits, sampling, levels)
+    steps = torch.arange(levels, device=ctx_len.device)
+    emitted = torch.where(steps == n_accepted[..., None], bonus[..., None], tree.tokens.gather(-1, path.roll(-1, -1)))
+    start = ctx_len[..., None]
+    target.compact_kv(start + path, start + steps)
+    return emitted, n_accepted, bonus, path
+
+
+def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: Tensor, ctx_len: Tensor,
+             n_accepted: Tensor) -> Tensor:
+    """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
+    fixed count; returns its output for the last real pair."""
+    pos = ctx_len[..., None] + torch.arange(emitted.shape[-1], device=ctx_len.device)
+    causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=ctx_len.device).tril()
+    # causal_mask(pos, ...) built from ctx_len itself: split attention's flex mask_mod reads it, a graph input
+    h = draft.step(target, emitted, features, pos, pos, attention_mask(ctx_len, causal, draft.max_seq_length))
+    return take(h, n_accepted[..., None])[..., 0, :]
+
+
+def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_len: Tensor, h_last: Tensor,
+                      tree_config: TreeConfig, sampling: SamplingConfig):
+    """One EAGLE-2 cycle with fixed shapes: expand, verify, commit, catch up.
+
+    On entry the target's cache holds ctx_len tokens, root is the next token (not yet in the cache) and
+    h_last the draft's output for its last pair (f_{ctx_len-1}, root). Returns the emitted tokens (padded
+    to tree_config.levels), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
+    and h_last. Nothing here reads a value back to the host.
+    """
+    tree = tree_config.expand(target, draft, root, ctx_len, h_last)
+    logits, features = verify(target, tree, ctx_len)
+    emitted, n_accepted, bonus, path = commit(target, tree, logits, ctx_len, sampling, tree_config.levels)
+    h_last = catch_up(target, draft, emitted, take(features, path), ctx_len, n_accepted)
+    next_ctx = ctx_len + n_accepted + 1
+    if target.tp_group is not None:  # every rank must have decided the same (tp.py); -1 says they did not
+        n_accepted = tp.flag_disagreement(target.tp_group, n_accepted, tree.tokens, emitted)
+    return emitted, n_accepted, bonus, next_ctx, h_last
+
+
+def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
+                root: Tensor) -> Tensor:
+    """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
+    on (features: the target's over prompt[first:]), the last one pairing with the root."""
+    device = root.device
+    pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
+    return catch_up(target, draft, pairs, features[0], torch.tensor(first, device=device),
+                    torch.tensor(len(pairs) - 1, device=device))
+
+
+# EAGLET_RUN_AHEAD=0 turns running ahead off (an A/B for measuring it; see run_calls).
+RUN_AHEAD = os.environ.get("EAGLET_RUN_AHEAD", "1") != "0"
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
+             eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
+             draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
+             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None) -> GenerationResult:
+    """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
+
+    The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
+    decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
+    step; if it returns a number, that many of them are kept and generation ends (stop strings).
+    run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
+    (see run_calls).
+    """
+    prompt_tokens = one_prompt(prompt_tokens)
+    tree = tree or TreeConfig()
+    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
+    if max_new_tokens == 0:
+        return GenerationResult(list(prompt_tokens), [], 0.0)
+    device = model.output.weight.device
+    device_sync(device)
+    t0 = time.perf_counter()
+    # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
+    first = max(start_pos - 1, 0) if draft else start_pos
+    logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
+    token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
+    tokens, accept_lengths = [], []
+    emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
+    if not emit([token.item()]):
+        ctx_len = torch.tensor(len(prompt_tokens), device=device)
+        if draft is None:
+            call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
+        else:
+            h_last = draft_start(model, draft, prompt_tokens, first, features, token)
+            call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
+            widest = tree.levels
+        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
+        run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest,
+                  tree.scratch if draft else 1, model.max_seq_length, ahead,
+                  accept_lengths if draft is not None else None)
+    device_sync(device)
+    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+
+
+def plain_call(model, sampling, step_fn, state, filled: int):
+    """One plain step queued on the device: (what the host reads: [the token], the next state)."""
+    token, ctx_len = state
+    # attend over what is filled, but in a CUDA graph (fixed shapes: its BlockMask skips the unfilled blocks)
+    read = {} if step_fn and token.is_cuda else {"filled": filled + 1}
+    token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **read).clone()
+    return token.view(1), (token, ctx_len + 1)
+
+
+def cycle_call(model, draft, tree, sampling, step_fn, state, filled: int):
+    """One speculative cycle queued on the device: ([accepted drafts, emitted tokens...], the next state). The
+    outputs are cloned: a CUDA-graph replay of the next cycle overwrites its static outputs."""
+    emitted, n_accepted, token, ctx_len, h_last = [t.clone() for t in (step_fn or speculative_cycle)(
+        model, draft, *state, tree, sampling)]
+    return torch.cat([n_accepted.view(1), emitted]), (token, ctx_len, h_last)
+
+
+def run_calls(call: Callable, state, n_prompt: int, tokens: list, emit: Callable, max_new_tokens: int, widest: int,
+              scratch: int, max_seq_length: int, ahead: bool, accept_lengths: Optional[list]):
+    """Steps or cycles until emit() says done, each read back to the host once (the one sync per call).
+
+    Run ahead: call k+1 is queued (from call k's outputs, still on the device) before call k's tokens are read,
+    so the GPU is not idle while the host reads, streams and checks them. When call k ends the generation (EOS,
+    max_new_tokens, a stop string) call k+1 is thrown away: its tokens are never read and what it wrote lies
+    past the kept context. It is queued only when call k may not end it and when it surely fits in the cache."""
+    pending, state = call(state, n_prompt + len(tokens) - 1)
+    while True:
+        ctx = n_prompt + len(tokens) - 1  # the context call k starts from (its root is not in the cache yet)
+        queued = None
+        if ahead and max_new_tokens - len(tokens) > 1 and ctx + widest + scratch <= max_seq_length:
+            queued = call(state, ctx + widest)  # its context is at most call k's plus what call k emits
+        out = pending.tolist()
+        new = [check_agreed(out[0])] if accept_lengths is None else out[1:check_agreed(out[0]) + 2]
+        n_before = len(tokens)
+        done = emit(new)
+        if accept_lengths is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens don't count
+            accept_lengths.append(len(tokens) - n_before)
+        if done:
+            return
+        pending, state = queued or call(state, n_prompt + len(tokens) - 1)
+
+
+def check_agreed(value: int) -> int:
+    """value, unless tensor parallel ranks decided differently (tp.flag_disagreement put -1 in its place)."""
+    if value < 0:
+        raise tp.RanksDisagree("tensor parallel ranks decided differently: their kernels are not deterministic "
+                               "across ranks (different GPU models, libraries or tuning?), so the output would not "
+                               "be exact; run on identical GPUs and software, or without --compile")
+    return value
+
+
+def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: Optional[Callable] = None) -> bool:
+    """Append new to tokens up to EOS or max_new_tokens (on_tokens may keep fewer: a stop string); True when
+    the generation is done."""
+    start = len(tokens)
+    for t in new:
+        tokens.append(t)
+        if t in eos_ids or len(tokens) == max_new_tokens:
+            break
+    keep = on_tokens(tokens[start:]) if on_tokens else None
+    if keep is not None:
+        del tokens[start + keep:]
+        return True
+    return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampling: SamplingConfig,
+                   eos_ids=(), on_tokens: Optional[Callable] = None, draft: Optional[DraftHead] = None,
+                   tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None) -> list:
+    """Several prompts decoded together, one GenerationResult each; greedy, every row gets the tokens and
+    accepted lengths generate() gives it alone. The caches must hold len(prompts) rows (setup_caches).
+
+    The prompts are prefilled together, padded after their ends: a row's K/V past its prompt is never seen
+    (its masks stop at its own context) and is overwritten as it goes on. Then one step or one cycle serves
+    every row, each at its own context. A row that is done (EOS, max_new_tokens, or on_tokens(row, new)
+    keeping fewer tokens) stays where it is, its outputs ignored, while the others go on: the shapes never
+    change. A result's seconds run until its own row was done.
+    """
+    prompts = [one_prompt(p) for p in prompts]
+    tree = tree or TreeConfig()
+    for prompt in prompts:
+        check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)
+    check_rows(model, draft, len(prompts))
+    device = model.output.weight.device
+    device_sync(device)
+    t0 = time.perf_counter()
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
+    pos = torch.arange(padded.shape[1], device=device)
+    logits, features = model(padded, pos, pos, causal_mask(pos, padded.shape[1]), logits_idx=(lengths - 1)[:, None])
+    token = sample(logits[:, 0], sampling)  # [B]
+    rows = [[] for _ in prompts]
+    accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
+    emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+                     on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
+    new, ctx_len, next_ctx = [[t] for t in token.tolist()], lengths.clone(), lengths.clone()
+    if draft is not None:
+        step_fn = step_fn or speculative_cycle
+        # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
+        pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
+        h_last = catch_up(model, draft, pairs, features, torch.zeros_like(lengths), lengths - 1)
+    done, live, n_live = [False] * len(prompts), None, -1
+    while True:
+        for b in range(len(prompts)):
+            if not done[b]:
+                n_before = len(rows[b])
+                done[b] = emits[b](new[b])
+                if draft is not None and n_before:  # the cycles' counts; the prefill's token is not one
+                    accept_lengths[b].append(len(rows[b]) - n_before)
+                seconds[b] = time.perf_counter() - t0 if done[b] else 0.0
+        if all(done):
+            break
+        # A row that is done stays at the context its last step started from: below its end, so the steps
+        # it still takes (their outputs ignored) write inside its cache. (The mask is sent only when it changes.)
+        if n_live != done.count(False):
+            n_live, live = done.count(False), torch.tensor([not d for d in done], device=device)
+        ctx_len = torch.where(live, next_ctx, ctx_len)
+        if draft is None:
+            token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
+            next_ctx = ctx_len + 1
+            new = [[check_agreed(t)] for t in token.tolist()]
+        else:
+            emitted, n_accepted, token, next_ctx, h_last = [
+                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
+            out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
+            new = [o[1:check_agreed(o[0]) + 2] for o in out]
+    return [GenerationResult(list(p), r, s, a) for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
+
+
+def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):
+    """The caches hold at least n_rows rows."""
+    caches = [model.layers[0].attention.kv_cache] + ([draft.layer.attention.kv_cache] if draft is not None else [])
+    held = min(c.k_cache.shape[0] for c in caches if c is not None) if all(caches) else 0
+    if n_rows > held:
+        raise EagletError(f"{n_rows} prompts at once need caches of {n_rows} rows; they hold {held} "
+                          "(setup_caches(max_batch_size=...))")
+
+
+def one_prompt(prompt_tokens) -> list:
+    """The prompt as a list of ints; a batch (several prompts) is refused by name."""
+    if isinstance(prompt_tokens, Tensor):
+        if prompt_tokens.ndim == 2 and prompt_tokens.shape[0] == 1:
+            prompt_tokens = prompt_tokens[0]
+        prompt_tokens = prompt_tokens.tolist() if prompt_tokens.ndim == 1 else [prompt_tokens.tolist()]
+    prompt_tokens = list(prompt_tokens)
+    if not all(isinstance(t, int) for t in prompt_tokens):
+        raise EagletError("generate() takes one prompt, a list of token ids; for several prompts at once (a batch) "
+                          "call generate_batch")
+    return prompt_tokens
+
+
+def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: int = 0):
+    need = n_prompt + max_new_tokens + extra
+    if n_prompt == 0:
+        raise EagletError("the prompt is empty")
+    if max_new_tokens < 0:
+        raise EagletError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if need > model.max_seq_length:
+        raise EagletError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens})"
+                          f"{f' + tree scratch ({extra})' if extra else ''} = {need} exceeds the cache "
+                          f"({model.max_seq_length} tokens)")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
+    embeddings, once; quantized ones as they are read: values, scales and zeros), but only one row of an embedding
+    table that is not also an lm_head."""
+    sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear:
+            sizes[m.weight.data_ptr()] = m.weight[0].numel() * m.weight.element_size()
+    return sum(sizes.values())
+
+
+def weights_format(module: torch.nn.Module) -> str:
+    """How a model's weights are stored: 'int4 g128, lm_head int8', 'int8', or the dtype of float weights."""
+    int4 = [m for m in module.modules() if isinstance(m, Int4Linear)]
+    int8 = any(isinstance(m, Int8Linear) for m in module.modules())
+    if int4:
+        return f"int4 g{int4[0].groupsize}" + (", lm_head int8" if int8 else "")
+    if int8:
+        return "int8"
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
+
+
+def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
+    """Weights one speculative cycle reads: the target once (verify), and per draft pass (depth + 1 of
+    them) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
+    lm_head = draft.lm_head_module(target)
+    own = any(lm_head is m for m in draft.modules())
+    return weight_bytes(target) + (tree.depth + 1) * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))
