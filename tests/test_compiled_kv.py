@@ -11,7 +11,7 @@ from torch._inductor import metrics
 
 import bench
 from draft import EagleDraft
-from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, generate, generate_batch, \
+from decode import SamplingConfig, TreeConfig, compile_step, decode_one_token, generate, generate_batch, \
     speculative_cycle
 from model import ModelArgs, Transformer
 from quantize import quantize_state_dict
