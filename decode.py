@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from draft import DraftHead, DraftTree, build_tree, take
-from model import EagletError, Int4Linear, Int8Linear, Transformer, attention_mask, causal_mask, decode_mask
+from attention import attention_mask, causal_mask, decode_mask
+from model import EagletError, Int4Linear, Int8Linear, Transformer
 import tp
 
 

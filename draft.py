@@ -19,9 +19,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from attention import attention_mask
 from model import (Attention, EagletError, FeedForward, Int8Linear, KVCache, ModelArgs, RMSNorm, RotaryTable,
-                   Transformer, TransformerBlock, attention_mask, load_state_dict, mismatch_detail, pack_quantized,
-                   pop_quantization, read_config, use_quantized_linears)
+                   Transformer, TransformerBlock, load_state_dict, mismatch_detail, pack_quantized, pop_quantization,
+                   read_config, use_quantized_linears)
 
 
 class DraftHead(nn.Module):

@@ -23,7 +23,8 @@ from cli import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, grid_text, t
 from decode import (SamplingConfig, TreeConfig, device_sync, draft_start, generate, prefill, sample,
                     speculative_cycle, weights_format)
 from draft import DraftHead
-from model import EagletError, Transformer, causal_mask
+from attention import causal_mask
+from model import EagletError, Transformer
 import tp
 
 

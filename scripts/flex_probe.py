@@ -23,9 +23,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import model  # noqa: E402
+import attention  # noqa: E402
 from cli import cli_parser  # noqa: E402
-from model import attention_mask, attend, block_mask, causal_mask  # noqa: E402
+from attention import attention_mask, attend, block_mask, causal_mask  # noqa: E402
 
 S, H, HKV, D = 1024, 8, 2, 128
 FORCE = {"FORCE_USE_FLEX_ATTENTION": True}  # the main flex kernel even for few queries (not flex decoding)
@@ -40,7 +40,7 @@ def blocks_only(q, pos, tree, mask_mod=None):
     """block_mask's block lists with another mask_mod (none: every slot of a listed block is read)."""
     bm = block_mask(in_graph_mask(q, pos, tree))
     return BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                                    BLOCK_SIZE=model.KV_BLOCK, mask_mod=mask_mod, seq_lengths=(q.shape[2], S))
+                                    BLOCK_SIZE=attention.KV_BLOCK, mask_mod=mask_mod, seq_lengths=(q.shape[2], S))
 
 
 def causal_from_inputs(q, pos):
@@ -99,7 +99,7 @@ def probe(fn, T: int, mode, device: str, dtype) -> str:
 
 CTX = 300  # the split cases' context: 3 of the cache's 128-slot blocks, the last one partial
 SPLIT_LAYOUTS = {"32/32": (32, 32), "32/8": (32, 8)}  # query / K/V heads of LLaMA-2-7B and LLaMA-3-8B, head_dim 128
-SPLIT_OPTIONS = {  # kernel_options for the context part; "model" is what model.context_kernel_options picks
+SPLIT_OPTIONS = {  # kernel_options for the context part; "model" is what attention.context_kernel_options picks
     "model": None, "flex default": {}, "BLOCK_M=64": {"BLOCK_M": 64}, "BLOCK_M=128": {"BLOCK_M": 128},
     "main kernel BLOCK_M=64": {**FORCE, "BLOCK_M": 64}}
 
@@ -132,11 +132,11 @@ def probe_split_context(layout: str, T: int, slots: int, options: str, device: s
     """The context part alone, compiled: output and log-sum-exp against the masked math over slots < CTX."""
     q, k, v, ctx_len, _ = split_inputs(SPLIT_LAYOUTS[layout], T, slots, device, dtype)
     visible = (torch.arange(slots, device=device) < CTX)[None, None]
-    ref_out, ref_lse = model.attention_with_lse(q, k, v, visible)
+    ref_out, ref_lse = attention.attention_with_lse(q, k, v, visible)
     name = f"split context {layout} T={T} slots={slots} {options}"
     torch._dynamo.reset()
     try:
-        f = torch.compile(partial(model.context_attention, kernel_options=SPLIT_OPTIONS[options]), fullgraph=True)
+        f = torch.compile(partial(attention.context_attention, kernel_options=SPLIT_OPTIONS[options]), fullgraph=True)
         out, lse = f(q, k, v, ctx_len)
         err = max((out.float() - ref_out).abs().max().item(), (lse.float() - ref_lse).abs().max().item())
         return f"OK   {name}: max err {err:.4f}, {ms_per_call(f, q, k, v, ctx_len):.3f} ms"
@@ -154,7 +154,7 @@ def probe_split_attention(layout: str, T: int, slots: int, mode, device: str, dt
         dense = torch.compile(masked_sdpa, fullgraph=True, mode=mode)
         ref = dense(*args).clone()  # CUDA graphs overwrite their outputs on the next replay
         dense_ms = ms_per_call(dense, *args)
-        model.SPLIT_ATTENTION, model.SPLIT_EAGER = True, device == "cpu"  # CPU: its masked math context part
+        attention.SPLIT_ATTENTION, attention.SPLIT_EAGER = True, device == "cpu"  # CPU: its masked math context part
         split = torch.compile(masked_sdpa, fullgraph=True, mode=mode)
         out = split(*args).clone()
         err = (out.float() - ref.float()).abs().max().item()
@@ -162,7 +162,7 @@ def probe_split_attention(layout: str, T: int, slots: int, mode, device: str, dt
     except Exception as e:
         return f"FAIL {name}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
     finally:
-        model.SPLIT_ATTENTION, model.SPLIT_EAGER = False, False
+        attention.SPLIT_ATTENTION, attention.SPLIT_EAGER = False, False
 
 
 def split_cases(args, dtype) -> list:

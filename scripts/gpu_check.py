@@ -44,9 +44,10 @@ import generate  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_head3  # noqa: E402
+import attention  # noqa: E402
 import model  # noqa: E402
-from model import (QUANT_KEY, EagletError, Transformer, attention_mask, causal_mask, decode_block_mask,  # noqa: E402
-                   pack_quantized, sdpa_inputs, use_quantized_linears)
+from attention import attention_mask, causal_mask, decode_block_mask, sdpa_inputs  # noqa: E402
+from model import QUANT_KEY, EagletError, Transformer, pack_quantized, use_quantized_linears  # noqa: E402
 from quantize import GROUPSIZES, quantize_state_dict  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tune  # noqa: E402
@@ -137,7 +138,7 @@ def attention_backends(target, draft, tree: TreeConfig, n_prompt: int = 128) -> 
         if eager_mask is not None:
             row["eager"] = "SDPA " + backend_name(sdpa_inputs(*qkv(args, eager_mask.shape[0]), eager_mask))
         if compiled_mask is not None:
-            if device.type == "cuda" and model.FLEX_ATTENTION and compiled_mask.shape[0] == 1:
+            if device.type == "cuda" and attention.FLEX_ATTENTION and compiled_mask.shape[0] == 1:
                 bm = decode_block_mask(ctx.view(1), S)
                 read = int(bm.kv_num_blocks[0, 0].max() + bm.full_kv_num_blocks[0, 0].max())
                 row["compiled"] = f"flex_attention, {read} of {bm.kv_indices.shape[-1]} cache blocks read"
@@ -482,7 +483,7 @@ def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: lis
     checked = report.section("compiled vs eager (reduced shape, fp32)", compiled_vs_eager, small, small_draft, tree,
                              prompt, 48)
     if device == "cuda" and "error" in checked:  # measure the rest with the dense fallback rather than nothing
-        model.FLEX_ATTENTION = False
+        attention.FLEX_ATTENTION = False
         torch._dynamo.reset()
         report.results["setup"]["flex_attention"] = "off (EAGLET_FLEX=0) after it failed in the section above"
         report.section("compiled vs eager, dense attention (reduced shape, fp32)", compiled_vs_eager, small, small_draft,
@@ -599,7 +600,7 @@ def main(argv=None):
     report.results["setup"] = {"command": "python " + " ".join(sys.argv if argv is None else ["scripts/gpu_check.py", *argv]),
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
-                               "flex_attention": model.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
+                               "flex_attention": attention.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
                                "formats": args.formats, "eagle3": args.eagle3}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import KV_BLOCK, attend, attention_mask, block_mask, decode_block_mask, sdpa_inputs
+from attention import KV_BLOCK, attend, attention_mask, block_mask, decode_block_mask, sdpa_inputs
 
 HEADS, KV_HEADS, HEAD_DIM, SLOTS = 4, 2, 16, 3 * KV_BLOCK + 40  # the cache ends inside a block
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import ROOT, expect_error
 from generate import SamplingConfig, load_target
-from model import attention_mask, causal_mask
+from attention import attention_mask, causal_mask
 
 LENGTHS = (5, 9, 3)
 

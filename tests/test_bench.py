@@ -17,7 +17,8 @@ from conftest import (ROOT, SHARED, expect_error, head_config, make_agreeing_eag
                       random_head_weights, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
-from model import EagletError, causal_mask
+from attention import causal_mask
+from model import EagletError
 
 SMALL = ["--depth", "3", "--tree_topk", "4", "--total_tokens", "16", "--repeats", "2", "--side_tokens", "12"]
 

@@ -12,7 +12,8 @@ from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 from draft import Eagle3Draft
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
-from model import EagletError, causal_mask
+from attention import causal_mask
+from model import EagletError
 
 GREEDY = SamplingConfig()
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 96, 96, 40

@@ -30,7 +30,8 @@ from convert_hf_checkpoint import main as convert_main
 from draft import Eagle3Draft, eagle3_feature_layers
 from draft import head_config as flat_head_config
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
-from model import EagletError, causal_mask
+from attention import causal_mask
+from model import EagletError
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 96, 96, 40
 L = 8  # the llama8 target's layers

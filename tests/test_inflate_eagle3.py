@@ -11,7 +11,8 @@ import generate
 from conftest import ROOT, read_generation
 from decode import SamplingConfig, TreeConfig, prefill
 from generate import load_draft, load_target
-from model import EagletError, causal_mask
+from attention import causal_mask
+from model import EagletError
 from test_inflate import REDUCED
 from tokenizer import Tokenizer
 

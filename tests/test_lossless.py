@@ -9,7 +9,7 @@ import generate
 from conftest import CTX_A, CTX_B1, CTX_B2, CTX_VOCAB, make_context_pair
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
-from model import causal_mask
+from attention import causal_mask
 
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
 CACHE = 320

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from model import Transformer, causal_mask
+from attention import causal_mask
+from model import Transformer
 
 CASES = [("llama2", {}, 0), ("llama31", {}, 0), ("llama31", {}, 3000), ("mistral", {}, 0), ("qwen2", {}, 0),
          ("qwen3", {}, 0), ("llama_bias", {}, 0), ("llama_mlp_bias", {}, 0),

@@ -8,7 +8,7 @@ import generate
 from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, read_generation, scripted_input, write_eagle_head
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
-from model import causal_mask
+from attention import causal_mask
 
 GREEDY = SamplingConfig()
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import generate
-import model
+import attention
 from conftest import ROOT
-from model import KV_BLOCK, SplitMask, attention_mask, context_block_mask, split_attention
+from attention import KV_BLOCK, SplitMask, attention_mask, context_block_mask, split_attention
 
 SLOTS = 2 * KV_BLOCK + 40  # the cache ends inside a block
 HEADS = {"GQA 8/2": (8, 2), "MHA 4/4": (4, 4)}
@@ -137,7 +137,7 @@ def test_context_block_mask_reads_only_listed_blocks_and_gives_the_context():
 
 
 def test_split_attention_is_off_by_default():
-    assert not model.SPLIT_ATTENTION and not model.SPLIT_EAGER
+    assert not attention.SPLIT_ATTENTION and not attention.SPLIT_EAGER
     assert isinstance(attention_mask(torch.tensor(3), causal_block(2), 8), torch.Tensor)
 
 
@@ -145,7 +145,7 @@ def test_decoding_keeps_its_block_mask_with_split_attention_on(split_on):
     """One-token decoding keeps decode_block_mask (its BlockMask is built from the boolean mask), and its
     attention is the boolean mask's."""
     from torch.nn.attention.flex_attention import BlockMask
-    from model import attend, boolean_mask, decode_block_mask
+    from attention import attend, boolean_mask, decode_block_mask
     bm = decode_block_mask(torch.tensor([KV_BLOCK + 1]), SLOTS)
     assert isinstance(bm, BlockMask)
     q, k, v = inputs(HEADS["GQA 8/2"], 1, torch.float32)
@@ -169,15 +169,15 @@ def test_flex_probe_split_cases_run_on_cpu(capsys):
 @pytest.fixture
 def split_on(monkeypatch):
     """Split attention forced on in eager CPU code; returns a list that grows with each split call."""
-    calls, split = [], model.split_attention
+    calls, split = [], attention.split_attention
 
     def counted(*args, **kwargs):
         if not torch.compiler.is_compiling():  # a list appended to in a graph would recompile it every call
             calls.append(args[0].shape[2])
         return split(*args, **kwargs)
-    monkeypatch.setattr(model, "SPLIT_ATTENTION", True)
-    monkeypatch.setattr(model, "SPLIT_EAGER", True)
-    monkeypatch.setattr(model, "split_attention", counted)
+    monkeypatch.setattr(attention, "SPLIT_ATTENTION", True)
+    monkeypatch.setattr(attention, "SPLIT_EAGER", True)
+    monkeypatch.setattr(attention, "split_attention", counted)
     return calls
 
 
@@ -204,7 +204,7 @@ def test_generate_with_split_attention_equals_without(demo, split_on):
     target, draft, prompts = demo
     split = run_demo(target, draft, prompts)
     assert {60, 10, 8} <= set(split_on)
-    model.SPLIT_ATTENTION = False
+    attention.SPLIT_ATTENTION = False
     masked = run_demo(target, draft, prompts)
     for s, m in zip(split, masked):  # (masked speculative == plain decoding: test_speculative.py, test_demo.py)
         assert s.tokens == m.tokens and s.accept_lengths == m.accept_lengths
@@ -219,7 +219,7 @@ def test_generate_batch_with_split_attention_equals_each_row_alone(demo, split_o
     try:
         batch = generate.generate_batch(target, prompts, 40, generate.SamplingConfig(), draft=draft)
         assert {60, 10, 8} <= set(split_on)
-        model.SPLIT_ATTENTION = False
+        attention.SPLIT_ATTENTION = False
         alone = run_demo(target, draft, prompts)
     finally:
         target.setup_caches(max_batch_size=1, max_seq_length=512)
@@ -234,9 +234,9 @@ def test_compiled_cycle_with_split_attention_equals_eager(demo, split_on):
     flex one compiles on CUDA only), in one graph: the tokens and accepted lengths of eager boolean masks."""
     from torch._inductor.compile_fx import compile_fx
     target, draft, prompts = demo
-    model.SPLIT_ATTENTION = False
+    attention.SPLIT_ATTENTION = False
     masked = run_demo(target, draft, prompts, 24)
-    model.SPLIT_ATTENTION = True
+    attention.SPLIT_ATTENTION = True
     graphs = []
 
     def inductor(gm, example_inputs):  # inductor, keeping the graph it compiles

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draft import build_tree
-from model import attention_mask
+from attention import attention_mask
 
 H, V = 16, 40
 
