@@ -301,7 +301,7 @@ class Int4Linear(nn.Module):
             x2d = x.reshape(-1, self.in_features)
             y = matmul(x2d.to(torch.bfloat16).contiguous(), self.weight, self.groupsize,
                        self.scales_and_zeros.to(torch.bfloat16)).to(x.dtype)
-        else:  # fast for bf16 activations only (cpu_kernel_takes); others run its scalar loop, exactly
+        else:  # vectorized for bf16 activations; fp32 runs the kernel's scalar loop (exact, several times slower)
             x2d = kernel_rows(x, self.in_features)
             y = matmul(x2d, self.weight, self.groupsize, self.scales_and_zeros.to(x.dtype))
         return with_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
@@ -309,8 +309,9 @@ class Int4Linear(nn.Module):
 
 def cpu_kernel_takes(x: Tensor, in_features: int) -> bool:
     """Whether torch's CPU int8 kernel (_weight_int8pack_mm) runs this input fast and right. On x86 it is
-    vectorized for bf16 only (fp32 runs a scalar loop, slower than dequantizing the weight), and its vector loop
-    has no tail: it reads 16 input channels a step (AVX-512; 8 on AVX2) and ignores the rest."""
+    vectorized for bf16 only (fp32 runs a scalar loop, at the verify's rows far slower than dequantizing the
+    weight), and its vector loop has no tail: it reads 16 input channels a step (AVX-512; 8 on AVX2) and
+    ignores the rest."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and in_features % 16 == 0
 
 

@@ -116,8 +116,9 @@ class OpLog(TorchDispatchMode):
 def test_bf16_on_a_cpu_runs_torchs_kernel_not_a_dequantized_weight(mode, groupsize):
     """The fast CPU path: bf16 activations go through torch's CPU kernel, whose fp32 accumulation leaves only
     the output's bf16 rounding, and no op writes a float weight (what dequantize-then-matmul does each call,
-    ~7x slower). Eager inputs may start off the int8 kernel's 32-byte alignment; compiled (generate.py
-    --compile), inductor calls the same kernel. Rows sliced off an int8 lm_head (a draft vocabulary) too."""
+    several times slower). Eager inputs may start off the int8 kernel's 32-byte alignment; compiled
+    (generate.py --compile), inductor calls the same kernel. Rows sliced off an int8 lm_head (a draft
+    vocabulary) too."""
     _, stored, linear = quantized_linear(mode, groupsize, torch.bfloat16)
     kernel = torch.ops.aten._weight_int8pack_mm if mode == "int8" else torch.ops.aten._weight_int4pack_mm_for_cpu
     deq = dequantize(stored)["l.weight"]
@@ -246,10 +247,11 @@ def test_greedy_speculative_equals_plain_on_quantized_target_in_bf16(quantized_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: inductor calls torch's CPU kernels
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
-def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize):
+def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize, precision):
     target_path, head_path = quantized_pairs[mode, groupsize, "eagle"]
-    model = load_target(target_path, "cpu", "fp32", 128)
+    model = load_target(target_path, "cpu", precision, 128)
     draft = load_draft(head_path, model)  # int8 itself
     assert len(check_compiled_cycle(model, draft, TreeConfig(depth=3, topk=3, total_tokens=10))) >= 2
 
@@ -335,8 +337,12 @@ def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path, capsys):
     generate.main(argv + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
     assert "target target/model_int4.g32.pth (int4 g32, lm_head int8); head head/draft_int8.pth (int8)" in capsys.readouterr().out
     generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
+    assert "note: on a CPU, quantized weights (int4 g32, lm_head int8) are fast with bf16 activations only" in \
+        capsys.readouterr().out
     spec, plain = (read_generation(tmp_path / f) for f in ("spec.json", "plain.json"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+    generate.main(argv + ["--precision", "bf16", "--max_new_tokens", "2"])
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
