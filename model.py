@@ -223,7 +223,8 @@ QUANT_FORMAT_VERSION = 1
 class Int8Linear(nn.Module):
     """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The weight is scaled
     inside the matmul's input (scaling the output instead overflows fp16: x @ q is 127 / max|w| times too
-    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see generate.compile_settings)."""
+    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see generate.compile_settings).
+    On a CPU, bf16 activations go through torch's int8 kernel instead (cpu_kernel_takes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -233,6 +234,10 @@ class Int8Linear(nn.Module):
         self.bias = frozen(torch.empty(out_features)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if cpu_kernel_takes(x, self.in_features):
+            x2d = kernel_rows(x, self.in_features)
+            y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scales.to(x.dtype))
+            return with_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
         return F.linear(x, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None], self.bias)
 
     def dequantize(self) -> Tensor:
@@ -291,14 +296,38 @@ class Int4Linear(nn.Module):
             raise EagletError(f"int4 weights packed for {self.packed_for} got input on {x.device.type}: "
                               "load the model on the device it runs on")
         _, matmul = int4_kernel(self.packed_for)
-        x2d = x.reshape(-1, self.in_features)
         if self.packed_for == "cuda":  # tinygemm multiplies bf16 only
+            x2d = x.reshape(-1, self.in_features)
             y = matmul(x2d.to(torch.bfloat16).contiguous(), self.weight, self.groupsize,
                        self.scales_and_zeros.to(torch.bfloat16)).to(x.dtype)
-        else:
-            y = matmul(x2d.contiguous(), self.weight, self.groupsize, self.scales_and_zeros.to(x.dtype))
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        else:  # vectorized for bf16 activations; fp32 runs the kernel's scalar loop (exact, several times slower)
+            x2d = kernel_rows(x, self.in_features)
+            y = matmul(x2d, self.weight, self.groupsize, self.scales_and_zeros.to(x.dtype))
+        return with_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
+
+
+def cpu_kernel_takes(x: Tensor, in_features: int) -> bool:
+    """Whether torch's CPU int8 kernel (_weight_int8pack_mm) runs this input fast and right. On x86 it is
+    vectorized for bf16 only (fp32 runs a scalar loop, at the verify's rows far slower than dequantizing the
+    weight), and its vector loop has no tail: it reads 16 input channels a step (AVX-512; 8 on AVX2) and
+    ignores the rest."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and in_features % 16 == 0
+
+
+def kernel_rows(x: Tensor, in_features: int) -> Tensor:
+    """x as the contiguous [rows, in_features] matrix torch's CPU kernels take. The int8 kernel loads it with
+    aligned vector loads (a misaligned row crashes the process, not an error), so an eager view that starts
+    off a 32-byte boundary of its (64-byte aligned) storage is copied; rows of 16 bf16 channels keep the
+    alignment. Compiled code cannot read a storage offset: there a Linear's input is one of inductor's
+    buffers (64-byte aligned) or whole rows of one."""
+    x2d = x.reshape(-1, in_features).contiguous()
+    if torch.compiler.is_compiling() or (x2d.storage_offset() * x2d.element_size()) % 32 == 0:
+        return x2d
+    return x2d.clone()
+
+
+def with_bias(y: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return y if bias is None else y + bias
 
 
 def frozen(t: Tensor) -> nn.Parameter:

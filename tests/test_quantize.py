@@ -3,6 +3,8 @@ quantized Linears against a dequantize-then-matmul reference, the whole model ag
 dequantized weights, and EAGLE on a quantized target lossless against plain decoding of the same target."""
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import generate
 import model as model_module
@@ -61,19 +63,13 @@ def hf_twin_of(checkpoint_path, tmp_path):
     return hf
 
 
-@pytest.mark.parametrize("mode,groupsize", MODES, ids=MODE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_quantized_linear_equals_dequantize_then_matmul(mode, groupsize, dtype):
+def quantized_linear(mode: str, groupsize: int, dtype) -> tuple:
+    """A 256 -> 96 Linear with a bias, quantized as quantize.py stores it and loaded as model.py loads it:
+    (the weight it came from, its stored tensors, the quantized Linear in dtype on the CPU)."""
     torch.manual_seed(0)
     w, bias = torch.randn(96, 256) * 0.05, torch.randn(96)
     names = ["l.weight", "l.scales"] + (["l.zeros"] if mode == "int4" else [])
     stored = dict(zip(names, quantize.quantize_int8(w) if mode == "int8" else quantize.quantize_int4(w, groupsize)))
-    deq = dequantize(stored)["l.weight"]
-    # round to nearest: within half a step of the weight (a zero point in bf16 may add its own rounding)
-    step = stored["l.scales"].float()
-    step = step[:, None] if mode == "int8" else step.repeat_interleave(groupsize, 1)
-    assert ((w - deq).abs() <= step / 2 + 1e-3 * w.abs().amax()).all()
-    assert (w - deq).abs().max() < (0.004 if mode == "int8" else 0.02)
     holder = torch.nn.Module()
     with torch.device("meta"):
         holder.l = torch.nn.Linear(256, 96)
@@ -82,12 +78,68 @@ def test_quantized_linear_equals_dequantize_then_matmul(mode, groupsize, dtype):
     holder = holder.to(dtype)
     pack_quantized(holder)
     assert isinstance(holder.l, Int8Linear if mode == "int8" else Int4Linear)
+    return w, stored, holder.l
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_linear_equals_dequantize_then_matmul(mode, groupsize, dtype):
+    w, stored, linear = quantized_linear(mode, groupsize, dtype)
+    deq, bias = dequantize(stored)["l.weight"], linear.bias.float()
+    # round to nearest: within half a step of the weight (a zero point in bf16 may add its own rounding)
+    step = stored["l.scales"].float()
+    step = step[:, None] if mode == "int8" else step.repeat_interleave(groupsize, 1)
+    assert ((w - deq).abs() <= step / 2 + 1e-3 * w.abs().amax()).all()
+    assert (w - deq).abs().max() < (0.004 if mode == "int8" else 0.02)
     for m in (1, 17, 60):
         x = torch.randn(2, m, 256)
         want = x @ deq.T + bias
-        got = holder.l(x.to(dtype)).float()
+        got = linear(x.to(dtype)).float()
         tol = 1e-4 if dtype == torch.float32 else 3e-2 * want.abs().max()
         assert got.shape == want.shape and (got - want).abs().max() <= tol
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op a call runs, and the tensor it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func, out))
+        return out
+
+
+@pytest.mark.parametrize("mode,groupsize", MODES, ids=MODE_IDS)
+def test_bf16_on_a_cpu_runs_torchs_kernel_not_a_dequantized_weight(mode, groupsize):
+    """The fast CPU path: bf16 activations go through torch's CPU kernel, whose fp32 accumulation leaves only
+    the output's bf16 rounding, and no op writes a float weight (what dequantize-then-matmul does each call,
+    several times slower). Eager inputs may start off the int8 kernel's 32-byte alignment; compiled
+    (generate.py --compile), inductor calls the same kernel. Rows sliced off an int8 lm_head (a draft
+    vocabulary) too."""
+    _, stored, linear = quantized_linear(mode, groupsize, torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm if mode == "int8" else torch.ops.aten._weight_int4pack_mm_for_cpu
+    deq = dequantize(stored)["l.weight"]
+    for m in (1, 17, 60):
+        x = torch.randn(2 * m * 256 + 3, dtype=torch.bfloat16)[3:].view(2, m, 256)  # 6 bytes off
+        with OpLog() as log:
+            got = linear(x)
+        assert [f for f, _ in log.calls].count(kernel.default) == 1
+        assert deq.numel() not in [out.numel() for _, out in log.calls if isinstance(out, torch.Tensor)]
+        product, bias = x.float() @ deq.T, linear.bias.float()
+        # rounded to bf16 (half a step: 2 ** -9 of the value) once, and again when the bias is added in bf16
+        assert ((got.float() - product - bias).abs() <= 2 ** -8 * (product.abs() + (product + bias).abs())).all()
+    x = x.clone()  # compiled code gets no alignment check (see model.kernel_rows)
+    compiled, code = run_and_get_code(torch.compile(linear, fullgraph=True), x)
+    assert torch.equal(compiled, linear(x))
+    assert ("_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm") in "".join(code)
+    if mode == "int8":
+        ids = torch.tensor([5, 17, 90, 3])
+        with OpLog() as log:
+            got = linear.rows(ids)(x)
+        assert kernel.default in [f for f, _ in log.calls] and torch.equal(got, linear(x)[..., ids])
 
 
 @pytest.mark.parametrize("kind", ["llama31", "qwen2"])  # GQA + llama3 rope scaling; q/k/v bias + tied embeddings
@@ -177,11 +229,29 @@ def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tm
     assert tau >= (1.5 if draft_vocab else 2.2) and len(set(lengths)) >= 5
 
 
+@pytest.mark.parametrize("mode,groupsize", [MODES[0], pytest.param(*MODES[1], marks=pytest.mark.slow)],
+                         ids=MODE_IDS[:2])
+def test_greedy_speculative_equals_plain_on_quantized_target_in_bf16(quantized_pairs, mode, groupsize):
+    """bf16 activations on a CPU, where torch's kernels run the quantized Linears: the verify's rows and a
+    plain step's one row come out of the same kernel alike (it computes each row on its own)."""
+    target_path, head_path = quantized_pairs[mode, groupsize, "eagle3"]
+    model = load_target(target_path, "cpu", "bf16", 256)
+    draft = load_draft(head_path, model)
+    lengths = []
+    for prompt in prompts(model.args.vocab_size, 4):
+        plain = generate.generate(model, prompt, 40, GREEDY)
+        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        assert spec.tokens == plain.tokens
+        lengths += spec.accept_lengths
+    assert len(set(lengths)) >= 5  # deep and varied paths through the verify
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: inductor calls torch's CPU kernels
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
-def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize):
+def test_compiled_cycle_on_quantized_target_equals_eager(quantized_pairs, mode, groupsize, precision):
     target_path, head_path = quantized_pairs[mode, groupsize, "eagle"]
-    model = load_target(target_path, "cpu", "fp32", 128)
+    model = load_target(target_path, "cpu", precision, 128)
     draft = load_draft(head_path, model)  # int8 itself
     assert len(check_compiled_cycle(model, draft, TreeConfig(depth=3, topk=3, total_tokens=10))) >= 2
 
@@ -267,8 +337,12 @@ def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path, capsys):
     generate.main(argv + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
     assert "target target/model_int4.g32.pth (int4 g32, lm_head int8); head head/draft_int8.pth (int8)" in capsys.readouterr().out
     generate.main(argv + ["--json_out", str(tmp_path / "plain.json")])
+    assert "note: on a CPU, quantized weights (int4 g32, lm_head int8) are fast with bf16 activations only" in \
+        capsys.readouterr().out
     spec, plain = (read_generation(tmp_path / f) for f in ("spec.json", "plain.json"))
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+    generate.main(argv + ["--precision", "bf16", "--max_new_tokens", "2"])
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
