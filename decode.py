@@ -18,7 +18,8 @@ from torch import Tensor
 
 from draft import DraftHead, DraftTree, build_tree, take
 from attention import attention_mask, causal_mask, decode_mask
-from model import EagletError, Int4Linear, Int8Linear, Transformer
+from model import EagletError, Transformer
+from quantize import Int4Linear, Int8Linear
 import tp
 
 

@@ -20,9 +20,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from attention import attention_mask
-from model import (Attention, EagletError, FeedForward, Int8Linear, KVCache, ModelArgs, RMSNorm, RotaryTable,
-                   Transformer, TransformerBlock, load_state_dict, mismatch_detail, pack_quantized, pop_quantization,
-                   read_config, use_quantized_linears)
+from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
+                   TransformerBlock, load_state_dict, mismatch_detail, read_config)
+from quantize import Int8Linear, pack_quantized, pop_quantization, use_quantized_linears
 
 
 class DraftHead(nn.Module):

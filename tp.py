@@ -39,7 +39,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import torchrun_rank
-from model import EagletError, ModelArgs, Transformer, load_state_dict, pop_quantization, use_quantized_linears
+from model import EagletError, ModelArgs, Transformer, load_state_dict
+from quantize import pop_quantization, use_quantized_linears
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")  # output rows are split: each rank computes some outputs
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # input columns are split: each rank adds a partial sum

@@ -102,7 +102,8 @@ from safetensors.torch import save_file  # noqa: E402
 from convert_hf_checkpoint import export_layer  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
-from model import EagletError, Int8Linear, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from quantize import Int8Linear  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 
