@@ -6,6 +6,10 @@ and attends through it; compiled code on CUDA reads only the blocks of the cache
 It returns the logits (optionally only at some positions) and the features its EAGLE draft head
 reads: the last hidden state after the final norm (EAGLE-1/2), or the hidden states entering the layers
 listed in `feature_layers`, concatenated (EAGLE-3).
+
+Imports attention.py and torch, nothing else of eaglet. A file of quantized weights loads into quantize.py's
+Linears, imported only then (quantize_module), because quantize.py imports this file; `from model import
+Int8Linear` still works.
 """
 import json
 import math

@@ -16,11 +16,10 @@ EAGLE-3 head's own) in int8, because it is the largest single matrix and every d
 embedding stays in its own dtype: a token reads one row of it, so quantizing it would save no time.
 generate.py, bench.py and train_draft.py load the file like any model.pth; speculative decoding on it gives
 exactly the output of plain decoding of the same quantized model.
-
-Beside the tool, the formats as a model runs them: Int8Linear and Int4Linear (torch's kernels), swapped in for
-a file's quantized Linears when it is loaded (use_quantized_linears, pack_quantized). Imports model.py and
-cli.py; model.py imports this file only when it loads quantized weights.
 """
+# (The docstring above is --help's text.) Beside the tool, the formats as a model runs them: Int8Linear and
+# Int4Linear (torch's kernels), swapped in for a file's quantized Linears when it is loaded (use_quantized_linears,
+# pack_quantized). Imports model.py and cli.py; model.py imports this file only when it loads quantized weights.
 import os
 import sys
 import tempfile

@@ -25,6 +25,7 @@ picks other kernels), each step and cycle checks it: one small all-reduce of wha
 over the ranks) in the graph, read at the cycle's one host sync, so every rank stops with the same error.
 
 Each rank reads only its part of model.pth: the file is memory-mapped and only its slices are copied.
+Imports model.py, quantize.py and cli.py; decode.py and generate.py call it.
 """
 import os
 import sys

@@ -19,6 +19,8 @@ learns only the target's next-token distributions over its draft vocabulary (the
 tokens most frequent in the data), unrolled --unroll_steps steps on its own outputs as the draft tree
 runs it (the "training-time test"), step j's loss weighted step_decay^j.
 """
+# (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
+# tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
 import hashlib
 import json
 import math
