@@ -7,8 +7,8 @@
 The int4 line writes model_int4.g128.pth. The input is what convert_hf_checkpoint.py wrote, never a
 Hugging Face *.safetensors / *.bin file. Which format: int8 stays close to bf16 (on the demo 27 of 40
 greedy outputs identical) at half the bytes; int4 reads about a quarter of bf16's and moves the model
-further (smaller groups stay closer); both keep the heads' acceptance on the demo (README.md). int4 runs
-on CUDA GPUs of compute capability 8.0 or newer and on CPU (slowly: it is for checking there).
+further (smaller groups stay closer); both keep the heads' acceptance on the demo (docs/quantization.md).
+int4 runs on CUDA GPUs of compute capability 8.0 or newer and on CPU (slowly: it is for checking there).
 
 int8: every Linear, symmetric, one scale per output channel. int4: the attention and MLP Linears in groups of
 --groupsize input channels, each with a scale and a zero point (asymmetric); the lm_head (the target's, or an
