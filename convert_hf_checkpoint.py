@@ -65,6 +65,8 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 from draft import eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_eagle3_config  # noqa: E402
 from model import QUANT_KEY, EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
 from quantize import GROUPSIZES, output_path, pack_int4, quantization_record, quantize_group, spill  # noqa: E402
+from convert_gguf import (INT4_TYPES, check_tensor_names, dequantize, find_gguf, gguf_config, gguf_layer,  # noqa: E402
+                          gguf_tokenizer, linear_types, read_gguf)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -624,13 +626,85 @@ def convert_weights(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: 
     return (convert_eagle3_head if eagle3 else convert_head)(checkpoint_dir, config, weights)
 
 
+def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> dict:
+    """A GGUF file's weights in our names: bf16, or quantize.py's int4 g32 form where its Linears are 4-bit
+    (the lm_head then in int8, as quantize.py has it; a tied one gets its own copy)."""
+    args = ModelArgs.from_hf_config(config)
+    check_tensor_names(f, args.n_layer)
+    types = sorted(set(linear_types(f)))
+    out = {QUANT_KEY: quantization_record("int4", 32, f"{f.path.name} ({', '.join(types)})")} if int4 else {}
+    embed = dequantize(f, "token_embd.weight")
+    rest = {"tok_embeddings.weight": embed, "norm.weight": dequantize(f, "output_norm.weight")}
+    if "output.weight" in f.tensors or int4:
+        rest["output.weight"] = dequantize(f, "output.weight") if "output.weight" in f.tensors else embed
+    out.update(spill(quantize_group(rest, "int4", 32) if int4 else rest, tmp_dir, "embeddings"))
+    with Progress("converting", args.n_layer, "layers", log=log) as progress:
+        for i in range(args.n_layer):
+            layer = gguf_layer(f, i, config)
+            out.update(spill(convert_layer(layer, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
+            progress.update(i + 1)
+    return out
+
+
+def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print) -> Path:
+    """DIR/model.pth (bf16) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
+    config.json, tokenizer.json, tokenizer_config.json and generation_config.json the metadata describes.
+    DIR: out_dir, else the file's folder. A file there that differs is replaced only if overwrite."""
+    f = read_gguf(find_gguf(path))
+    config = gguf_config(f)
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except EagletError as e:
+        raise EagletError(f"{f.path}: {e}")
+    texts = {"config.json": json.dumps(config, indent=2), **gguf_tokenizer(f)}
+    types = linear_types(f)
+    int4 = any(t in INT4_TYPES for t in types)
+    other = sorted(set(t for t in types if t not in INT4_TYPES + ("F32", "F16", "BF16")))
+    if other:
+        log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them to bf16"
+            + (" (and the other Linears fused with them: q, k, v and gate, up go together)" if int4 else ""))
+    if int4:
+        check_int4_widths(args, HubInt4("gguf", 32, "gguf"))
+    out_dir = Path(out_dir) if out_dir is not None else f.path.parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
+    out_path = output_path(out_dir / "model.pth", "int4", 32) if int4 else out_dir / "model.pth"
+    refuse_existing(out_path, overwrite)
+    for name, text in texts.items():
+        if (out_dir / name).is_file() and (out_dir / name).read_bytes() != text.encode():
+            refuse_existing(out_dir / name, overwrite, f" and is not what {f.path.name} describes")
+    make_folder(out_dir)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".eaglet-convert-") as tmp_dir:
+            state_dict = gguf_state_dict(f, config, Path(tmp_dir), int4, log)
+            log(f"writing {out_path}")
+            torch.save(state_dict, Path(tmp_dir) / out_path.name)
+            for name, text in texts.items():
+                (Path(tmp_dir) / name).write_text(text, encoding="utf-8")
+                os.replace(Path(tmp_dir) / name, out_dir / name)
+            os.replace(Path(tmp_dir) / out_path.name, out_path)
+    except OSError as e:
+        raise EagletError(f"cannot write in {out_dir}: {e.strerror or e} (give --out_dir to write elsewhere)")
+    return out_path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists() and
+                                      any(path.glob("*.gguf")))
+
+
 def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) -> Path:
     """DIR/model.pth or DIR/draft.pth; a Hub 4-bit target's DIR/model_int4.g<N>.pth, which replaces a file of
     that name only if overwrite. DIR: out_dir if given, with copies of the FILES_BESIDE the checkpoint has
     (there, an existing converted file or a different copy is replaced only if overwrite); else checkpoint_dir."""
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise EagletError(f"{'file' if checkpoint_dir.suffix == '.gguf' else 'checkpoint folder'} not found: "
+                          f"{checkpoint_dir}")
+    if is_gguf(checkpoint_dir):
+        return convert_gguf_file(checkpoint_dir, out_dir, overwrite, log)
     if not checkpoint_dir.is_dir():
-        raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
+        raise EagletError(f"not a folder or a .gguf file: {checkpoint_dir}")
     config = head_config(read_config(checkpoint_dir), str(checkpoint_dir / "config.json"))  # a head's, flat
     try:  # refuse what we cannot run before reading weights
         ModelArgs.from_hf_config({"model_type": "llama", **config})
