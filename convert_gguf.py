@@ -207,12 +207,13 @@ def blocks_of(f: GGUFFile, name: str) -> Tensor:
     return torch.from_numpy(f.raw(name).copy()).reshape(-1, block_bytes)
 
 
-def dequantize(f: GGUFFile, name: str, dtype=torch.bfloat16) -> Tensor:
+def dequantize(f: GGUFFile, name: str, dtype=None) -> Tensor:
+    """A tensor as float: F32 / F16 / BF16 as stored, a quantized one in bf16 (or in dtype if given)."""
     t = f.tensors[name]
     if t.type in ("F32", "F16", "BF16"):
-        dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-        return torch.from_numpy(f.raw(name).copy()).view(dtypes[t.type]).reshape(t.shape).to(dtype)
-    return dequantize_blocks(blocks_of(f, name), t.type).reshape(t.shape).to(dtype)
+        stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.type]
+        return torch.from_numpy(f.raw(name).copy()).view(stored).reshape(t.shape).to(dtype or stored)
+    return dequantize_blocks(blocks_of(f, name), t.type).reshape(t.shape).to(dtype or torch.bfloat16)
 
 
 def int4_groups(f: GGUFFile, name: str) -> tuple:
@@ -242,12 +243,12 @@ def key(meta: dict, arch: str, name: str, default=None):
     return meta.get(f"{arch}.{name}", default)
 
 
-def llama3_rope(freqs: Tensor, dim: int, base: float, context: int) -> dict:
+def llama3_rope(freqs: Tensor, dim: int, base: float, contexts: tuple) -> dict:
     """llama.cpp stores LLaMA-3.1's RoPE scaling as the divisor of each frequency (rope_freqs). The scaling
     that gives exactly those divisors, from the published settings; an error if none does."""
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     factor = float(freqs.max())
-    for original in (8192, 4096, 2048, 16384, context):
+    for original in contexts + (8192, 4096, 2048, 16384):
         for low, high in ((1.0, 4.0), (1.0, 2.0)):
             wavelen = 2 * torch.pi / inv_freq
             smooth = (original / wavelen - low) / (high - low)
@@ -285,10 +286,13 @@ def gguf_config(f: GGUFFile) -> dict:
                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    else:  # LLaMA's biases (qwen2's on q, k, v come with its model type)
+        config.update(attention_bias="blk.0.attn_q.bias" in f.tensors, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
     scaling = key(meta, arch, "rope.scaling.type", "none")
     if "rope_freqs.weight" in f.tensors:
-        config["rope_scaling"] = llama3_rope(dequantize(f, "rope_freqs.weight", torch.float32),
-                                             config["head_dim"], config["rope_theta"], config["max_position_embeddings"])
+        original = key(meta, arch, "rope.scaling.original_context_length")
+        config["rope_scaling"] = llama3_rope(dequantize(f, "rope_freqs.weight", torch.float32), config["head_dim"],
+                                             config["rope_theta"], (original,) if original else ())
     elif scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": key(meta, arch, "rope.scaling.factor")}
     elif scaling != "none":
@@ -418,8 +422,9 @@ def layer_linear(f: GGUFFile, name: str, int4: bool, n_head: int) -> dict:
     return parts
 
 
-def gguf_layer(f: GGUFFile, i: int, config: dict) -> dict:
-    """Decoder layer i under Hugging Face names (model.layers.i.*)."""
+def gguf_layer(f: GGUFFile, i: int, config: dict, int4_allowed: bool = True) -> dict:
+    """Decoder layer i under Hugging Face names (model.layers.i.*); its 4-bit Linears in Int4Linear's form if
+    int4_allowed, else dequantized."""
     src, dst = f"blk.{i}.", f"model.layers.{i}."
     permuted = config["model_type"] in ("llama", "mistral")  # llama.cpp permutes these only
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]} if permuted else {}
@@ -428,7 +433,7 @@ def gguf_layer(f: GGUFFile, i: int, config: dict) -> dict:
         present = [m for m in group if f"{src}{m}.weight" in f.tensors]
         if len(present) < len(group):
             raise EagletError(f"{f.path}: tensor {src}{next(m for m in group if m not in present)}.weight is missing")
-        int4 = all(f.tensors[f"{src}{m}.weight"].type in INT4_TYPES for m in group)
+        int4 = int4_allowed and all(f.tensors[f"{src}{m}.weight"].type in INT4_TYPES for m in group)
         for m in group:
             parts = layer_linear(f, src + m, int4, heads.get(m, 0))
             out.update({f"{dst}{LAYER_NAMES[m]}.{k}": v for k, v in parts.items()})

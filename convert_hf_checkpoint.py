@@ -48,6 +48,9 @@ def parse_args(argv=None):
                    help="write the converted file here (made if missing) with copies of the config and tokenizer "
                         "files the tools read beside it, leaving --checkpoint_dir untouched (default: "
                         "--checkpoint_dir itself)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a .gguf file: write a bf16 model.pth even where its Linears are 4-bit (by default they stay "
+                        "4-bit, in model_int4.g32.pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing converted file in --out_dir and the copies there that differ; a Hub "
                         "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, model.pth and "
@@ -640,13 +643,13 @@ def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> di
     out.update(spill(quantize_group(rest, "int4", 32) if int4 else rest, tmp_dir, "embeddings"))
     with Progress("converting", args.n_layer, "layers", log=log) as progress:
         for i in range(args.n_layer):
-            layer = gguf_layer(f, i, config)
+            layer = gguf_layer(f, i, config, int4_allowed=int4)
             out.update(spill(convert_layer(layer, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
             progress.update(i + 1)
     return out
 
 
-def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print) -> Path:
+def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit: bool = True) -> Path:
     """DIR/model.pth (bf16) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
     config.json, tokenizer.json, tokenizer_config.json and generation_config.json the metadata describes.
     DIR: out_dir, else the file's folder. A file there that differs is replaced only if overwrite."""
@@ -658,7 +661,7 @@ def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print) -> Path:
         raise EagletError(f"{f.path}: {e}")
     texts = {"config.json": json.dumps(config, indent=2), **gguf_tokenizer(f)}
     types = linear_types(f)
-    int4 = any(t in INT4_TYPES for t in types)
+    int4 = keep_4bit and any(t in INT4_TYPES for t in types)
     other = sorted(set(t for t in types if t not in INT4_TYPES + ("F32", "F16", "BF16")))
     if other:
         log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them to bf16"
@@ -693,7 +696,7 @@ def is_gguf(path: Path) -> bool:
                                       any(path.glob("*.gguf")))
 
 
-def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) -> Path:
+def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, dequantize: bool = False) -> Path:
     """DIR/model.pth or DIR/draft.pth; a Hub 4-bit target's DIR/model_int4.g<N>.pth, which replaces a file of
     that name only if overwrite. DIR: out_dir if given, with copies of the FILES_BESIDE the checkpoint has
     (there, an existing converted file or a different copy is replaced only if overwrite); else checkpoint_dir."""
@@ -701,8 +704,10 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) ->
     if not checkpoint_dir.exists():
         raise EagletError(f"{'file' if checkpoint_dir.suffix == '.gguf' else 'checkpoint folder'} not found: "
                           f"{checkpoint_dir}")
+    if dequantize and not is_gguf(checkpoint_dir):
+        raise EagletError("--dequantize is for .gguf files (a Hub 4-bit folder converts to int4 only)")
     if is_gguf(checkpoint_dir):
-        return convert_gguf_file(checkpoint_dir, out_dir, overwrite, log)
+        return convert_gguf_file(checkpoint_dir, out_dir, overwrite, log, keep_4bit=not dequantize)
     if not checkpoint_dir.is_dir():
         raise EagletError(f"not a folder or a .gguf file: {checkpoint_dir}")
     config = head_config(read_config(checkpoint_dir), str(checkpoint_dir / "config.json"))  # a head's, flat
@@ -742,7 +747,7 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) ->
 def main(argv=None):
     args = parse_args(argv)
     try:
-        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite, out_dir=args.out_dir)
+        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite, out_dir=args.out_dir, dequantize=args.dequantize)
     except EagletError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
