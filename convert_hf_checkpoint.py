@@ -26,6 +26,15 @@ folder has), and writes nothing in --checkpoint_dir; generate.py then needs only
 
 In OUT an existing converted file, or a copy that differs from the folder's, is replaced only with --overwrite
 (an identical copy is kept as it is).
+
+A GGUF file (llama.cpp, ollama, LM Studio; --checkpoint_dir names the .gguf file, or a folder holding one and no
+config.json) becomes model_int4.g32.pth where its Linears are Q4_0, Q4_1 or Q4_K (their 4-bit integers kept,
+the lm_head in int8), else a bf16 model.pth (--dequantize: bf16 in any case), with config.json, tokenizer.json,
+tokenizer_config.json (the chat template) and generation_config.json written beside it from its metadata:
+
+    python convert_hf_checkpoint.py --checkpoint_dir SmolLM2-135M-Instruct.Q4_1.gguf --out_dir checkpoints/smollm2
+    python generate.py --checkpoint_path checkpoints/smollm2/model_int4.g32.pth --chat --precision bf16 \
+        --prompt "What is the capital of France?"
 """
 import filecmp
 import json
@@ -43,7 +52,7 @@ from cli import Progress, cli_parser
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_dir", required=True, type=Path,
-                   help="Hugging Face checkpoint folder (config.json and the weights)")
+                   help="Hugging Face checkpoint folder (config.json and the weights), or a .gguf file")
     p.add_argument("--out_dir", type=Path, default=None,
                    help="write the converted file here (made if missing) with copies of the config and tokenizer "
                         "files the tools read beside it, leaving --checkpoint_dir untouched (default: "
