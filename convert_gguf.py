@@ -2,7 +2,8 @@
 tokenizer files, and the weights under Hugging Face names. The file is parsed here (header, metadata, tensor
 table, memory-mapped data), so no GGUF library is needed.
 
-Weights: F32 / F16 / BF16 are taken as they are; Q8_0, Q6_K, Q5_0 and Q5_1 are dequantized to bf16; Q4_0,
+Weights: F32 / F16 / BF16 are taken as they are; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K are dequantized to bf16
+(other types too if the gguf package is installed: it has code for more, Q2_K, Q3_K, the IQ types); Q4_0,
 Q4_1 and Q4_K Linears map onto Int4Linear's group-32 form without going through floats (w = (q - 8) * scale +
 zero per 32 input channels; only the scales and zeros round, to bf16). llama.cpp stores the query and key
 rows of LLaMA-family attention permuted for its RoPE; they are put back in Hugging Face's order.
@@ -29,10 +30,7 @@ STRING, ARRAY = 8, 9
 # ggml type id -> (name, values per block, bytes per block)
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
          6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-         14: ("Q6_K", 256, 210)}
-OTHER_TYPES = {9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
-               19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
-               27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+         13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
@@ -43,6 +41,7 @@ class GGUFTensor:
     shape: tuple  # torch order: [out, in] for a matrix (GGUF lists the dimensions innermost first)
     start: int  # byte offset in the file
     nbytes: int
+    block_bytes: int = 0  # a quantized type's bytes per block
 
 
 @dataclass
@@ -126,19 +125,35 @@ def read_gguf(path: Path) -> GGUFFile:
     data_start = -(-r.pos // alignment) * alignment
     tensors = {}
     for name, dims, kind, offset in infos:
-        if kind not in TYPES:
-            raise EagletError(f"{path}: tensor {name} is of type {OTHER_TYPES.get(kind, kind)}, which eaglet "
-                              f"does not read (it reads {', '.join(t[0] for t in TYPES.values())})")
-        type_name, block, block_bytes = TYPES[kind]
+        type_name, block, block_bytes = TYPES.get(kind) or other_type(kind, name, path)
         count = int(np.prod(dims)) if dims else 1
         if dims[0] % block:
             raise EagletError(f"{path}: tensor {name} has rows of {dims[0]}, not whole {type_name} blocks")
-        t = GGUFTensor(name, type_name, tuple(reversed(dims)), data_start + offset, count // block * block_bytes)
+        t = GGUFTensor(name, type_name, tuple(reversed(dims)), data_start + offset, count // block * block_bytes,
+                       block_bytes)
         if t.start + t.nbytes > len(data):
             raise EagletError(f"{path} is truncated: tensor {name} ends at byte {t.start + t.nbytes}, the file "
                               f"at {len(data)}")
         tensors[name] = t
     return GGUFFile(path, metadata, tensors, data)
+
+
+def other_type(kind: int, name: str, path: Path) -> tuple:
+    """A type eaglet has no code for (Q2_K, Q3_K, the IQ types, ...): the gguf package dequantizes it, if
+    installed and if it can; else one error naming the type."""
+    try:
+        import gguf
+        qtype = gguf.GGMLQuantizationType(kind)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), qtype)  # raises if it has no code either
+        return qtype.name, block, block_bytes
+    except ImportError:
+        where = "; pip install gguf dequantizes more types"
+    except (ValueError, KeyError, NotImplementedError):
+        where = " (nor does the gguf package)"
+    readable = ", ".join(t[0] for t in TYPES.values())
+    raise EagletError(f"{path}: tensor {name} is of ggml type {kind}, which eaglet does not read{where}; it reads "
+                      f"{readable}")
 
 
 # Dequantization: blocks [n, bytes per block] (uint8) -> values [n, values per block] (float32)
@@ -166,6 +181,16 @@ def q4k_groups(blocks: Tensor) -> tuple:
     qs = blocks[:, 16:144].reshape(-1, 4, 32)
     q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)  # each 32 bytes: 32 low, then 32 high
     return q, halves(blocks, 0) * sc, halves(blocks, 2) * mins
+
+
+def q5k_values(blocks: Tensor) -> Tensor:
+    """Q5_K: Q4_K's layout with a fifth bit per value (32 bytes after the scales: sub-block s uses bit s)."""
+    sc, mins = k_scales(blocks[:, 4:16])
+    qs = blocks[:, 48:176].reshape(-1, 4, 32)
+    low = torch.stack([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32).int()
+    fifth = (blocks[:, None, 16:48].int() >> torch.arange(8, dtype=torch.int32)[None, :, None]) & 1
+    q = (low | (fifth << 4)).float()
+    return ((halves(blocks, 0) * sc)[..., None] * q - (halves(blocks, 2) * mins)[..., None]).reshape(-1, 256)
 
 
 def q5_values(blocks: Tensor, at: int) -> Tensor:
@@ -198,13 +223,17 @@ def dequantize_blocks(blocks: Tensor, kind: str) -> Tensor:
     if kind == "Q4_K":
         q, scale, minimum = q4k_groups(blocks)
         return (scale[..., None] * q.float() - minimum[..., None]).reshape(-1, 256)
-    return q6k_values(blocks)  # Q6_K
+    if kind == "Q5_K":
+        return q5k_values(blocks)
+    if kind == "Q6_K":
+        return q6k_values(blocks)
+    import gguf  # a type only the gguf package reads (other_type checked it can)
+    values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(values.astype(np.float32)).reshape(blocks.shape[0], -1)
 
 
 def blocks_of(f: GGUFFile, name: str) -> Tensor:
-    t = f.tensors[name]
-    _, _, block_bytes = next(v for v in TYPES.values() if v[0] == t.type)
-    return torch.from_numpy(f.raw(name).copy()).reshape(-1, block_bytes)
+    return torch.from_numpy(f.raw(name).copy()).reshape(-1, f.tensors[name].block_bytes)
 
 
 def dequantize(f: GGUFFile, name: str, dtype=None) -> Tensor:

