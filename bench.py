@@ -11,6 +11,8 @@ phase, an evaluation over FastChat question files, and transformers' own generat
 Writes OUT.json and OUT.md (--out; default bench_out/DATE-TIME, never over an existing file unless --overwrite);
 numbers are printed, never asserted. Every derived figure names the measured inputs it comes from.
 """
+# (The docstring above is --help's text.) A tool on top: imports generate.py and what is below it (decode, tune,
+# chat, draft, model, tp, tokenizer, cli) and train_draft.py's question reader; only scripts/ and tests import it.
 import json
 import os
 import sys

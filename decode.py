@@ -2,9 +2,10 @@
 commit, catch-up: speculative_cycle) and generate / generate_batch, which run them and read their tokens back;
 last, what a step reads in weights (the GB/s figures).
 
-Imports model.py, draft.py and tp.py, nothing above them. The cycle lives here, below generate.py, because
-the tree tuner (tune.py) decodes with it and generate.py's main runs the tuner: with the cycle in generate.py,
-the two would import each other. generate.py re-exports the names forks use (from generate import generate).
+Imports model.py, attention.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above them.
+The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
+main runs the tuner: with the cycle in generate.py, the two would import each other. generate.py re-exports
+the names forks use (from generate import generate).
 """
 import math
 import os
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from draft import DraftHead, DraftTree, build_tree, take
 from attention import attention_mask, causal_mask, decode_mask
-from model import EagletError, Int4Linear, Int8Linear, Transformer
+from model import EagletError, Transformer
+from quantize import Int4Linear, Int8Linear
 import tp
 
 

@@ -9,6 +9,9 @@ whose attention reads cat(norm(embed(x_{t+1})), norm(x)); its own norm and lm_he
 vocabulary, mapped to target ids by d2t. During tree expansion a node's input x is its parent's output.
 Published EAGLE-3 heads come in EAGLE's and SpecForge's flat layout or in speculators' nested one (head_config),
 some with flags that change the math (Eagle3Flags).
+
+Imports model.py (the layers it is built of), attention.py and quantize.py (a quantized head's Linears, an int8
+lm_head's rows); the cycle in decode.py imports this file.
 """
 import json
 from dataclasses import dataclass
@@ -20,9 +23,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from attention import attention_mask
-from model import (Attention, EagletError, FeedForward, Int8Linear, KVCache, ModelArgs, RMSNorm, RotaryTable,
-                   Transformer, TransformerBlock, load_state_dict, mismatch_detail, pack_quantized, pop_quantization,
-                   read_config, use_quantized_linears)
+from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
+                   TransformerBlock, load_state_dict, mismatch_detail, read_config)
+from quantize import Int8Linear, pack_quantized, pop_quantization, use_quantized_linears
 
 
 class DraftHead(nn.Module):

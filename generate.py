@@ -418,7 +418,7 @@ def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeCon
     quantized = [weights_format(m) for m in (model, draft) if m is not None and weights_format(m).startswith("int")]
     if args.device == "cpu" and quantized and args.precision != "bf16":
         print(f"note: on a CPU, quantized weights ({quantized[0]}) are fast with bf16 activations only (torch's CPU "
-              f"kernels); in {args.precision} a step took 4-6x the fp32 model's (README.md): --precision bf16")
+              f"kernels); in {args.precision} a step took 4-6x the fp32 model's (docs/quantization.md): --precision bf16")
 
 
 def short_path(path: Path) -> str:

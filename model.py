@@ -6,6 +6,10 @@ and attends through it; compiled code on CUDA reads only the blocks of the cache
 It returns the logits (optionally only at some positions) and the features its EAGLE draft head
 reads: the last hidden state after the final norm (EAGLE-1/2), or the hidden states entering the layers
 listed in `feature_layers`, concatenated (EAGLE-3).
+
+Imports attention.py and torch, nothing else of eaglet. A file of quantized weights loads into quantize.py's
+Linears, imported only then (quantize_module), because quantize.py imports this file; `from model import
+Int8Linear` still works.
 """
 import json
 import math
@@ -216,180 +220,6 @@ class LayerCache:
         return self.k_cache[:bsz], self.v_cache[:bsz]
 
 
-QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
-QUANT_FORMAT_VERSION = 1
-
-
-class Int8Linear(nn.Module):
-    """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The weight is scaled
-    inside the matmul's input (scaling the output instead overflows fp16: x @ q is 127 / max|w| times too
-    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see generate.compile_settings).
-    On a CPU, bf16 activations go through torch's int8 kernel instead (cpu_kernel_takes)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = frozen(torch.empty(out_features, in_features, dtype=torch.int8))
-        self.scales = frozen(torch.empty(out_features, dtype=torch.bfloat16))
-        self.bias = frozen(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if cpu_kernel_takes(x, self.in_features):
-            x2d = kernel_rows(x, self.in_features)
-            y = torch.ops.aten._weight_int8pack_mm(x2d, self.weight, self.scales.to(x.dtype))
-            return with_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
-        return F.linear(x, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None], self.bias)
-
-    def dequantize(self) -> Tensor:
-        return self.weight.to(self.scales.dtype) * self.scales[:, None]
-
-    def rows(self, ids: Tensor) -> "Int8Linear":
-        """A Linear of only these output rows (a draft vocabulary's rows of an lm_head)."""
-        with torch.device("meta"):
-            out = Int8Linear(self.in_features, len(ids), self.bias is not None)
-        out.weight, out.scales = frozen(self.weight[ids]), frozen(self.scales[ids])
-        if self.bias is not None:
-            out.bias = frozen(self.bias[ids])
-        return out
-
-
-# torch's int4 kernels by device: (pack the weights, multiply). Their packed layouts differ, so files hold
-# the plain 4-bit values and pack() lays them out on the device the model is loaded on.
-INT4_KERNELS = {"cuda": ("_convert_weight_to_int4pack", "_weight_int4pack_mm"),
-                "cpu": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}
-
-
-class Int4Linear(nn.Module):
-    """Weight-only int4, grouped and asymmetric: w = (q - 8) * scale + zero for q in 0..15, one scale and
-    zero per group of groupsize input channels (tinygemm's convention). As stored: weight uint8
-    [out, in / 2] (two values a byte, the even input channel in the high nibble), scales and zeros
-    [out, in / groupsize]; pack() turns them into the layout of the device's kernel."""
-
-    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
-        self.weight = frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.scales = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
-        self.zeros = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
-        self.bias = frozen(torch.empty(out_features)) if bias else None
-        self.packed_for: Optional[str] = None
-
-    def pack(self):
-        device = self.weight.device.type
-        convert, _ = int4_kernel(device)
-        if device == "cuda" and torch.cuda.get_device_capability(self.weight.device) < (8, 0):
-            raise EagletError(f"int4 runs on tinygemm, which needs an Ampere or newer GPU (compute capability 8.0); "
-                              f"{torch.cuda.get_device_name(self.weight.device)} is older: use int8")
-        if device == "cuda":  # tinygemm: bf16 scales and zeros; inner k-tiles as wide as the width allows
-            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
-            packed, dtype = convert(self.weight.contiguous(), inner_k_tiles), torch.bfloat16
-        else:  # the CPU kernel takes one int32 per value, and scales in the activations' dtype
-            values = torch.stack([self.weight >> 4, self.weight & 15], dim=-1).view(self.out_features, -1)
-            packed, dtype = convert(values.to(torch.int32).contiguous(), 1), self.scales.dtype
-        self.scales_and_zeros = frozen(torch.stack([self.scales.t(), self.zeros.t()], dim=-1).to(dtype).contiguous())
-        self.weight = frozen(packed)
-        del self.scales, self.zeros
-        self.packed_for = device
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed_for != x.device.type:
-            raise EagletError(f"int4 weights packed for {self.packed_for} got input on {x.device.type}: "
-                              "load the model on the device it runs on")
-        _, matmul = int4_kernel(self.packed_for)
-        if self.packed_for == "cuda":  # tinygemm multiplies bf16 only
-            x2d = x.reshape(-1, self.in_features)
-            y = matmul(x2d.to(torch.bfloat16).contiguous(), self.weight, self.groupsize,
-                       self.scales_and_zeros.to(torch.bfloat16)).to(x.dtype)
-        else:  # vectorized for bf16 activations; fp32 runs the kernel's scalar loop (exact, several times slower)
-            x2d = kernel_rows(x, self.in_features)
-            y = matmul(x2d, self.weight, self.groupsize, self.scales_and_zeros.to(x.dtype))
-        return with_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
-
-
-def cpu_kernel_takes(x: Tensor, in_features: int) -> bool:
-    """Whether torch's CPU int8 kernel (_weight_int8pack_mm) runs this input fast and right. On x86 it is
-    vectorized for bf16 only (fp32 runs a scalar loop, at the verify's rows far slower than dequantizing the
-    weight), and its vector loop has no tail: it reads 16 input channels a step (AVX-512; 8 on AVX2) and
-    ignores the rest."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and in_features % 16 == 0
-
-
-def kernel_rows(x: Tensor, in_features: int) -> Tensor:
-    """x as the contiguous [rows, in_features] matrix torch's CPU kernels take. The int8 kernel loads it with
-    aligned vector loads (a misaligned row crashes the process, not an error), so an eager view that starts
-    off a 32-byte boundary of its (64-byte aligned) storage is copied; rows of 16 bf16 channels keep the
-    alignment. Compiled code cannot read a storage offset: there a Linear's input is one of inductor's
-    buffers (64-byte aligned) or whole rows of one."""
-    x2d = x.reshape(-1, in_features).contiguous()
-    if torch.compiler.is_compiling() or (x2d.storage_offset() * x2d.element_size()) % 32 == 0:
-        return x2d
-    return x2d.clone()
-
-
-def with_bias(y: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return y if bias is None else y + bias
-
-
-def frozen(t: Tensor) -> nn.Parameter:
-    """A parameter that is never trained: quantized weights are integers, which cannot carry gradients."""
-    return nn.Parameter(t, requires_grad=False)
-
-
-def int4_kernel(device: str):
-    if device not in INT4_KERNELS:
-        raise EagletError(f"int4 runs on CUDA and CPU only, not on {device}: use int8")
-    ops = [getattr(torch.ops.aten, name, None) for name in INT4_KERNELS[device]]
-    if None in ops:
-        raise EagletError(f"this torch ({torch.__version__}) has no int4 kernel for {device} "
-                          f"({' and '.join(INT4_KERNELS[device])}): int4 needs torch >= 2.6")
-    return ops
-
-
-def use_quantized_linears(module: nn.Module, state_dict: dict):
-    """Replace each nn.Linear that the state dict holds quantized (it has NAME.scales) by an Int8Linear, or an
-    Int4Linear if it also has NAME.zeros, ready for load_state_dict(assign=True). Call on the meta device."""
-    for name, linear in list(module.named_modules()):
-        scales = state_dict.get(f"{name}.scales")
-        if not isinstance(linear, nn.Linear) or scales is None:
-            continue
-        bias, weight = linear.bias is not None, state_dict.get(f"{name}.weight")
-        stored = torch.uint8 if f"{name}.zeros" in state_dict else torch.int8
-        if weight is None or weight.dtype != stored:
-            raise EagletError(f"{name}: a quantized layer's weight must be {stored}, not "
-                              f"{'missing' if weight is None else weight.dtype} (a damaged file?)")
-        if f"{name}.zeros" in state_dict:
-            n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 0
-            groupsize = linear.in_features // n_groups if n_groups else 0
-            if groupsize not in (32, 64, 128, 256) or groupsize * n_groups != linear.in_features:
-                raise EagletError(f"{name}: {tuple(scales.shape)} int4 scales do not make groups of 32, 64, 128 or "
-                                  f"256 of its {linear.in_features} input channels (a damaged file?)")
-            new = Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
-        else:
-            new = Int8Linear(linear.in_features, linear.out_features, bias)
-        parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent), child, new)
-
-
-def pack_quantized(module: nn.Module):
-    """Lay out every Int4Linear's weights for the device the module is on (after .to(device))."""
-    for m in module.modules():
-        if isinstance(m, Int4Linear) and m.packed_for is None:
-            m.pack()
-
-
-def pop_quantization(state_dict: dict, path) -> Optional[dict]:
-    """What a quantized file holds (mode, groupsize, ...), taken out of its state dict; None if not quantized."""
-    record = state_dict.pop(QUANT_KEY, None)
-    if record is None:
-        return None
-    if not isinstance(record, dict) or type(record.get("format_version")) is not int:
-        raise EagletError(f"{path}: its quantization record is damaged: {record!r}"[:300])
-    if record["format_version"] > QUANT_FORMAT_VERSION:
-        raise EagletError(f"{path} was quantized in format version {record['format_version']}, newer than this "
-                          f"eaglet reads ({QUANT_FORMAT_VERSION}): update eaglet, or quantize again with this one")
-    return record
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -582,14 +412,16 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(args)
         state_dict = dict(state_dict)
-        model.quantization = pop_quantization(state_dict, where)
+        quantize = quantize_module(state_dict)
+        model.quantization = quantize.pop_quantization(state_dict, where) if quantize else None
         if "fc.weight" in state_dict:
             raise EagletError(f"{where} is an EAGLE draft head, not a target model "
                               "(give it as --draft_checkpoint_path)")
         if args.tie_word_embeddings and "tok_embeddings.weight" in state_dict:
             state_dict.setdefault("output.weight", state_dict["tok_embeddings.weight"])
-        with torch.device("meta"):
-            use_quantized_linears(model, state_dict)  # a quantized lm_head is its own copy, no longer tied
+        if quantize:
+            with torch.device("meta"):
+                quantize.use_quantized_linears(model, state_dict)  # a quantized lm_head is its own copy, no longer tied
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:
@@ -597,8 +429,22 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings and isinstance(model.output, nn.Linear):
             model.output.weight = model.tok_embeddings.weight
         model = model.to(device=device, dtype=dtype).eval()
-        pack_quantized(model)
+        if quantize:
+            quantize.pack_quantized(model)
         return model
+
+
+def quantize_module(state_dict: dict):
+    """quantize.py, whose Linears a file of quantized weights (its record, or a Linear's NAME.scales) loads into;
+    None for float weights. Imported here, not at the top: quantize.py imports this file, and a float model
+    needs nothing of it."""
+    if QUANT_KEY in state_dict or any(name.endswith(".scales") for name in state_dict):
+        import quantize
+        return quantize
+    return None
+
+
+QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
 
 
 def load_state_dict(path) -> dict:
@@ -628,3 +474,16 @@ def mismatch_detail(e: RuntimeError, limit: int = 600) -> str:
     """load_state_dict's multi-line error on one line, keeping which tensors and which shapes."""
     detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip()) or str(e)
     return detail if len(detail) <= limit else detail[:limit] + " ..."
+
+
+# The quantized Linears and their loading moved to quantize.py; their old import path still works
+# (from model import Int8Linear), importing quantize.py only when one of them is asked for.
+MOVED_TO_QUANTIZE = ("Int8Linear", "Int4Linear", "INT4_KERNELS", "QUANT_FORMAT_VERSION", "use_quantized_linears",
+                     "pack_quantized", "pop_quantization")
+
+
+def __getattr__(name):
+    if name in MOVED_TO_QUANTIZE:
+        import quantize
+        return getattr(quantize, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

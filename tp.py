@@ -25,6 +25,7 @@ picks other kernels), each step and cycle checks it: one small all-reduce of wha
 over the ranks) in the graph, read at the cycle's one host sync, so every rank stops with the same error.
 
 Each rank reads only its part of model.pth: the file is memory-mapped and only its slices are copied.
+Imports model.py, quantize.py and cli.py; decode.py and generate.py call it.
 """
 import os
 import sys
@@ -39,7 +40,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import torchrun_rank
-from model import EagletError, ModelArgs, Transformer, load_state_dict, pop_quantization, use_quantized_linears
+from model import EagletError, ModelArgs, Transformer, load_state_dict
+from quantize import pop_quantization, use_quantized_linears
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")  # output rows are split: each rank computes some outputs
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # input columns are split: each rank adds a partial sum

@@ -19,6 +19,8 @@ learns only the target's next-token distributions over its draft vocabulary (the
 tokens most frequent in the data), unrolled --unroll_steps steps on its own outputs as the draft tree
 runs it (the "training-time test"), step j's loss weighted step_decay^j.
 """
+# (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
+# tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
 import hashlib
 import json
 import math
@@ -102,7 +104,8 @@ from safetensors.torch import save_file  # noqa: E402
 from convert_hf_checkpoint import export_layer  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
-from model import EagletError, Int8Linear, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from quantize import Int8Linear  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 

@@ -3,7 +3,7 @@ calibration prompts, seconds per cycle from the cycle replayed), the most tokens
 the choice cached per target, head, device and format. --total_tokens auto: the largest verify that costs about
 what the smallest does.
 
-Imports decode.py (the cycle it measures), draft.py, model.py, tp.py and cli.py; generate.py's main calls it
+Imports decode.py (the cycle it measures), draft.py, attention.py, model.py, tp.py and cli.py; generate.py's main calls it
 (auto_tree, pick_total_tokens), never the other way. The grid and the calibration prompts are defined in cli.py,
 where generate.py's --help names them before torch is imported.
 """

@@ -47,8 +47,8 @@ from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_head3  # noqa: E402
 import attention  # noqa: E402
 import model  # noqa: E402
 from attention import attention_mask, causal_mask, decode_block_mask, sdpa_inputs  # noqa: E402
-from model import QUANT_KEY, EagletError, Transformer, pack_quantized, use_quantized_linears  # noqa: E402
-from quantize import GROUPSIZES, quantize_state_dict  # noqa: E402
+from model import QUANT_KEY, EagletError, Transformer  # noqa: E402
+from quantize import GROUPSIZES, pack_quantized, quantize_state_dict, use_quantized_linears  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tune  # noqa: E402
 

@@ -259,9 +259,9 @@ MUTANTS = [
     M("streamer: prints half a character", "chat.py", 'if not self.text.endswith("\\ufffd"):', "if True:"),
     M("quantize: int8 scale off by one step", "quantize.py",
       "scales = (w.abs().amax(dim=1) / 127)", "scales = (w.abs().amax(dim=1) / 128)"),
-    M("quantize: int8 in bf16 on a CPU dequantizes the weight again", "model.py",
+    M("quantize: int8 in bf16 on a CPU dequantizes the weight again", "quantize.py",
       "        if cpu_kernel_takes(x, self.in_features):", "        if False:"),
-    M("quantize: the CPU int8 kernel gets a misaligned row", "model.py",
+    M("quantize: the CPU int8 kernel gets a misaligned row", "quantize.py",
       "    return x2d.clone()\n", "    return x2d\n"),
 ]
 

@@ -12,7 +12,8 @@ import quantize
 from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
 from convert_hf_checkpoint import convert, export_layer
 from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
-from model import QUANT_KEY, Int4Linear, Int8Linear, ModelArgs, pack_quantized, read_config, use_quantized_linears
+from model import QUANT_KEY, ModelArgs, read_config
+from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears
 
 GREEDY = SamplingConfig()
 MODES = [("int8", 0), ("int4", 32), ("int4", 64)]
@@ -131,7 +132,7 @@ def test_bf16_on_a_cpu_runs_torchs_kernel_not_a_dequantized_weight(mode, groupsi
         product, bias = x.float() @ deq.T, linear.bias.float()
         # rounded to bf16 (half a step: 2 ** -9 of the value) once, and again when the bias is added in bf16
         assert ((got.float() - product - bias).abs() <= 2 ** -8 * (product.abs() + (product + bias).abs())).all()
-    x = x.clone()  # compiled code gets no alignment check (see model.kernel_rows)
+    x = x.clone()  # compiled code gets no alignment check (see quantize.kernel_rows)
     compiled, code = run_and_get_code(torch.compile(linear, fullgraph=True), x)
     assert torch.equal(compiled, linear(x))
     assert ("_weight_int8pack_mm" if mode == "int8" else "_weight_int4pack_mm") in "".join(code)
@@ -327,7 +328,7 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
     base = ["--device", "cpu", "--prompt", "w5", "--max_new_tokens", "2"]
     expect_error(["--checkpoint_path", str(newer), *base], "format version 99, newer than this eaglet reads")
     int4 = quantize_cli(model_pth, "int4", 32, "--overwrite")
-    monkeypatch.setitem(model_module.INT4_KERNELS, "cpu", ("_no_such_pack", "_no_such_mm"))
+    monkeypatch.setitem(quantize.INT4_KERNELS, "cpu", ("_no_such_pack", "_no_such_mm"))
     expect_error(["--checkpoint_path", str(int4), *base], "has no int4 kernel for cpu")
 
 

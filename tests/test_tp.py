@@ -165,7 +165,8 @@ def test_cuda_with_fewer_gpus_than_ranks_is_refused(monkeypatch):
 
 def test_shards_cover_the_weights_once(targets):
     """Each Linear's shards put back together (rows, or columns and bias once) give the whole tensor."""
-    from model import load_state_dict, pop_quantization
+    from model import load_state_dict
+    from quantize import pop_quantization
     for name in ("demo", "demo_int4", "llama_bias"):
         whole = load_state_dict(targets[name])
         pop_quantization(whole, name)
