@@ -151,7 +151,7 @@ def logits(model, tokens):
 
 # every architecture in float; the weight types on an MHA LLaMA and on Qwen3 (head_dim apart from heads)
 CASES = [(kind, "F32") for kind in ("llama2", "llama31", "llama_bias", "mistral", "qwen2", "qwen3")] + \
-    [(kind, t) for kind in ("llama2", "qwen3") for t in ("Q8_0", "Q4_0", "Q4_1")]
+    [(kind, t) for kind in ("llama2", "qwen3") for t in ("Q8_0", "Q4_0", "Q4_1")] + [("qwen2", "F16"), ("llama2", "BF16")]
 
 
 @pytest.mark.parametrize("kind,linear_type", CASES, ids=[f"{k}-{t}" for k, t in CASES])
@@ -166,7 +166,7 @@ def test_a_gguf_file_runs_as_transformers_runs_its_weights(kind, linear_type, tm
     model = load_target(out_path, "cpu", "fp32", 64)
     tokens = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 30]])
     ours, theirs = logits(model, tokens), hf(tokens).logits
-    tol = {"F32": 1e-4, "Q8_0": 0.02, "Q4_1": 0.05, "Q4_0": 0.05}[linear_type]  # bf16 storage of dequantized ones
+    tol = {"F32": 1e-4, "F16": 1e-4, "BF16": 1e-4, "Q8_0": 0.02, "Q4_1": 0.05, "Q4_0": 0.05}[linear_type]  # bf16 storage
     assert (ours - theirs).abs().max() < tol * theirs.abs().max()
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     config = json.loads((tmp_path / "config.json").read_text())
