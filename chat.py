@@ -83,7 +83,7 @@ def run_once(args, gen: Callable, tokenizer: Tokenizer, prompt: list, show: Call
     for i in range(args.num_samples):
         torch.manual_seed(args.seed + i)
         print(f"--- sample {i + 1}/{args.num_samples}")
-        print(args.prompt, end="", flush=True)
+        print(args.prompt, end="\n" if args.chat else "", flush=True)  # a reply starts a line; a continuation doesn't
         streamer = TextStreamer(tokenizer, prompt, stop=args.stop)
         result = gen(prompt, args.max_new_tokens, on_tokens=streamer)
         streamer.flush()
@@ -127,7 +127,7 @@ def run_batches(args, gen_batch: Callable, tokenizer: Tokenizer, prompts: list, 
                 k = n * rows + row
                 sample = f", sample {i + 1}/{args.num_samples}" if args.num_samples > 1 else ""
                 print(f"--- prompt {k + 1}/{len(prompts)}{sample}")
-                print(args.prompts[k] + streamers[row].text)
+                print(args.prompts[k] + ("\n" if args.chat else "") + streamers[row].text)
                 tau = f", tau {result.tau:.2f} over {len(result.accept_lengths)} cycles" if result.accept_lengths else ""
                 print(f"({len(result.tokens)} tokens, done after {result.seconds:.2f} s: "
                       f"{result.tokens_per_s:.2f} tokens/s for this prompt{tau})")

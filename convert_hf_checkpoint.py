@@ -26,6 +26,15 @@ folder has), and writes nothing in --checkpoint_dir; generate.py then needs only
 
 In OUT an existing converted file, or a copy that differs from the folder's, is replaced only with --overwrite
 (an identical copy is kept as it is).
+
+A GGUF file (llama.cpp, ollama, LM Studio; --checkpoint_dir names the .gguf file, or a folder holding one and no
+config.json) becomes model_int4.g32.pth where its Linears are Q4_0, Q4_1 or Q4_K (their 4-bit integers kept,
+the lm_head in int8), else a bf16 model.pth (--dequantize: bf16 in any case), with config.json, tokenizer.json,
+tokenizer_config.json (the chat template) and generation_config.json written beside it from its metadata:
+
+    python convert_hf_checkpoint.py --checkpoint_dir SmolLM2-135M-Instruct.Q4_1.gguf --out_dir checkpoints/smollm2
+    python generate.py --checkpoint_path checkpoints/smollm2/model_int4.g32.pth --chat --precision bf16 \
+        --prompt "What is the capital of France?"
 """
 import filecmp
 import json
@@ -43,11 +52,14 @@ from cli import Progress, cli_parser
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_dir", required=True, type=Path,
-                   help="Hugging Face checkpoint folder (config.json and the weights)")
+                   help="Hugging Face checkpoint folder (config.json and the weights), or a .gguf file")
     p.add_argument("--out_dir", type=Path, default=None,
                    help="write the converted file here (made if missing) with copies of the config and tokenizer "
                         "files the tools read beside it, leaving --checkpoint_dir untouched (default: "
                         "--checkpoint_dir itself)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a .gguf file: write a bf16 model.pth even where its Linears are 4-bit (by default they stay "
+                        "4-bit, in model_int4.g32.pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing converted file in --out_dir and the copies there that differ; a Hub "
                         "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, model.pth and "
@@ -65,6 +77,8 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 from draft import eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_eagle3_config  # noqa: E402
 from model import QUANT_KEY, EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
 from quantize import GROUPSIZES, output_path, pack_int4, quantization_record, quantize_group, spill  # noqa: E402
+from convert_gguf import (INT4_TYPES, check_tensor_names, dequantize, find_gguf, gguf_config, gguf_layer,  # noqa: E402
+                          gguf_tokenizer, linear_types, read_gguf)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -624,13 +638,87 @@ def convert_weights(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: 
     return (convert_eagle3_head if eagle3 else convert_head)(checkpoint_dir, config, weights)
 
 
-def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) -> Path:
+def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> dict:
+    """A GGUF file's weights in our names: bf16, or quantize.py's int4 g32 form where its Linears are 4-bit
+    (the lm_head then in int8, as quantize.py has it; a tied one gets its own copy)."""
+    args = ModelArgs.from_hf_config(config)
+    check_tensor_names(f, args.n_layer)
+    types = sorted(set(linear_types(f)))
+    out = {QUANT_KEY: quantization_record("int4", 32, f"{f.path.name} ({', '.join(types)})")} if int4 else {}
+    embed = dequantize(f, "token_embd.weight")
+    rest = {"tok_embeddings.weight": embed, "norm.weight": dequantize(f, "output_norm.weight")}
+    if "output.weight" in f.tensors or int4:
+        rest["output.weight"] = dequantize(f, "output.weight") if "output.weight" in f.tensors else embed
+    out.update(spill(quantize_group(rest, "int4", 32) if int4 else rest, tmp_dir, "embeddings"))
+    with Progress("converting", args.n_layer, "layers", log=log) as progress:
+        for i in range(args.n_layer):
+            layer = gguf_layer(f, i, config, int4_allowed=int4)
+            out.update(spill(convert_layer(layer, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
+            progress.update(i + 1)
+    return out
+
+
+def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit: bool = True) -> Path:
+    """DIR/model.pth (bf16) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
+    config.json, tokenizer.json, tokenizer_config.json and generation_config.json the metadata describes.
+    DIR: out_dir, else the file's folder. A file there that differs is replaced only if overwrite."""
+    f = read_gguf(find_gguf(path))
+    config = gguf_config(f)
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except EagletError as e:
+        raise EagletError(f"{f.path}: {e}")
+    texts = {"config.json": json.dumps(config, indent=2), **gguf_tokenizer(f)}
+    types = linear_types(f)
+    int4 = keep_4bit and any(t in INT4_TYPES for t in types)
+    other = sorted(set(t for t in types if t not in INT4_TYPES + ("F32", "F16", "BF16")))
+    if other:
+        log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them to bf16"
+            + (" (and the other Linears fused with them: q, k, v and gate, up go together)" if int4 else ""))
+    if int4:
+        check_int4_widths(args, HubInt4("gguf", 32, "gguf"))
+    out_dir = Path(out_dir) if out_dir is not None else f.path.parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
+    out_path = output_path(out_dir / "model.pth", "int4", 32) if int4 else out_dir / "model.pth"
+    refuse_existing(out_path, overwrite)
+    for name, text in texts.items():
+        if (out_dir / name).is_file() and (out_dir / name).read_bytes() != text.encode():
+            refuse_existing(out_dir / name, overwrite, f" and is not what {f.path.name} describes")
+    make_folder(out_dir)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".eaglet-convert-") as tmp_dir:
+            state_dict = gguf_state_dict(f, config, Path(tmp_dir), int4, log)
+            log(f"writing {out_path}")
+            torch.save(state_dict, Path(tmp_dir) / out_path.name)
+            for name, text in texts.items():
+                (Path(tmp_dir) / name).write_text(text, encoding="utf-8")
+                os.replace(Path(tmp_dir) / name, out_dir / name)
+            os.replace(Path(tmp_dir) / out_path.name, out_path)
+    except OSError as e:
+        raise EagletError(f"cannot write in {out_dir}: {e.strerror or e} (give --out_dir to write elsewhere)")
+    return out_path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists() and
+                                      any(path.glob("*.gguf")))
+
+
+def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, dequantize: bool = False) -> Path:
     """DIR/model.pth or DIR/draft.pth; a Hub 4-bit target's DIR/model_int4.g<N>.pth, which replaces a file of
     that name only if overwrite. DIR: out_dir if given, with copies of the FILES_BESIDE the checkpoint has
     (there, an existing converted file or a different copy is replaced only if overwrite); else checkpoint_dir."""
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise EagletError(f"{'file' if checkpoint_dir.suffix == '.gguf' else 'checkpoint folder'} not found: "
+                          f"{checkpoint_dir}")
+    if dequantize and not is_gguf(checkpoint_dir):
+        raise EagletError("--dequantize is for .gguf files (a Hub 4-bit folder converts to int4 only)")
+    if is_gguf(checkpoint_dir):
+        return convert_gguf_file(checkpoint_dir, out_dir, overwrite, log, keep_4bit=not dequantize)
     if not checkpoint_dir.is_dir():
-        raise EagletError(f"checkpoint folder not found: {checkpoint_dir}")
+        raise EagletError(f"not a folder or a .gguf file: {checkpoint_dir}")
     config = head_config(read_config(checkpoint_dir), str(checkpoint_dir / "config.json"))  # a head's, flat
     try:  # refuse what we cannot run before reading weights
         ModelArgs.from_hf_config({"model_type": "llama", **config})
@@ -668,7 +756,7 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None) ->
 def main(argv=None):
     args = parse_args(argv)
     try:
-        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite, out_dir=args.out_dir)
+        out_path = convert(args.checkpoint_dir, overwrite=args.overwrite, out_dir=args.out_dir, dequantize=args.dequantize)
     except EagletError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

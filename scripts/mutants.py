@@ -263,6 +263,15 @@ MUTANTS = [
       "        if cpu_kernel_takes(x, self.in_features):", "        if False:"),
     M("quantize: the CPU int8 kernel gets a misaligned row", "quantize.py",
       "    return x2d.clone()\n", "    return x2d\n"),
+    # GGUF files
+    M("gguf: query / key rows left in llama.cpp's order", "convert_gguf.py",
+      "    return t.reshape(n_head, -1, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)", "    return t"),
+    M("gguf: Q4_1's zero point without 8 d", "convert_gguf.py",
+      "zero = (8 * scale + halves(blocks, 2).reshape(-1))", "zero = (halves(blocks, 2).reshape(-1))"),
+    M("gguf: Q4_K's sub-blocks low and high nibbles swapped", "convert_gguf.py",
+      "q = torch.stack([qs & 15, qs >> 4], dim=2)", "q = torch.stack([qs >> 4, qs & 15], dim=2)"),
+    M("gguf: sentencepiece merges ranked lowest score first", "convert_gguf.py", "    merges.sort()\n",
+      "    merges.sort(reverse=True)\n"),
 ]
 
 
