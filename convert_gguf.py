@@ -122,12 +122,14 @@ def read_gguf(path: Path) -> GGUFFile:
         dims = [r.take("<Q") for _ in range(r.take("<I"))]
         infos.append((name, dims, r.take("<I"), r.take("<Q")))
     alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise EagletError(f"{path}: general.alignment is {alignment!r}, not a positive integer")
     data_start = -(-r.pos // alignment) * alignment
     tensors = {}
     for name, dims, kind, offset in infos:
         type_name, block, block_bytes = TYPES.get(kind) or other_type(kind, name, path)
         count = int(np.prod(dims)) if dims else 1
-        if dims[0] % block:
+        if not dims or dims[0] % block:
             raise EagletError(f"{path}: tensor {name} has rows of {dims[0]}, not whole {type_name} blocks")
         t = GGUFTensor(name, type_name, tuple(reversed(dims)), data_start + offset, count // block * block_bytes,
                        block_bytes)
@@ -401,7 +403,12 @@ def gguf_tokenizer(f: GGUFFile) -> dict:
         raise EagletError(f"{f.path}: tokenizer {kind!r} (tokenizer.ggml.model); eaglet builds gpt2 (byte-level "
                           "BPE) and llama (sentencepiece) vocabularies")
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
-    tok = builders[kind](meta, f.path)
+    try:
+        tok = builders[kind](meta, f.path)
+    except EagletError:
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exception on a vocabulary it cannot take
+        raise EagletError(f"{f.path}: cannot build its tokenizer from the metadata: {e}")
     # Control tokens (<|im_start|>, </s>) are matched whole in text and dropped when decoding; user-defined
     # ones (<think>) are matched whole and kept.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

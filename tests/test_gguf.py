@@ -360,3 +360,9 @@ def test_a_type_eaglet_has_no_code_for_goes_through_the_gguf_package_or_is_refus
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if the package were not installed
     with pytest.raises(EagletError, match="blk.0.ffn_up.weight is of ggml type 10, which eaglet does not read; pip install gguf"):
         read_gguf(tmp_path / "q2k.gguf")
+
+
+def test_a_vocabulary_the_tokenizers_library_cannot_take_is_one_error(tmp_path):
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a c"]}
+    with pytest.raises(EagletError, match="cannot build its tokenizer from the metadata"):
+        gguf_tokenizer(GGUFFile(tmp_path / "x.gguf", meta, {}, None))
