@@ -256,6 +256,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
            "<|im_start|>user\nHi<|im_end|>\n"]
 
 
+@pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 def test_smollm2_logits_and_tokens_equal_transformers_own_load_of_the_gguf(smollm2, smollm2_transformers):
     path, out = smollm2
     hf, hf_tok = smollm2_transformers
@@ -274,6 +275,7 @@ def test_smollm2_logits_and_tokens_equal_transformers_own_load_of_the_gguf(smoll
     assert worst < 1.0
 
 
+@pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 def test_smollm2_chat_answers_paris_with_transformers_greedy_tokens(smollm2, smollm2_transformers, capsys, tmp_path):
     """generate.py --chat on the converted file (dequantized, fp32, as transformers loads GGUF): the reply on
     a line of its own, token for token transformers' greedy reply."""
@@ -289,6 +291,7 @@ def test_smollm2_chat_answers_paris_with_transformers_greedy_tokens(smollm2, smo
     assert run["tokens"] == expected[:len(run["tokens"])] and len(run["tokens"]) >= 6
 
 
+@pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 def test_smollm2_speculative_equals_plain_with_any_head(smollm2, tmp_path):
     """A random EAGLE head on the real model (dequantized, fp32): what it drafts is almost always wrong, and
     the output is still exactly plain decoding's. (In bf16 a verify of many rows and a one-row step round
@@ -308,6 +311,7 @@ def test_smollm2_speculative_equals_plain_with_any_head(smollm2, tmp_path):
     assert spec.tokens == plain.tokens and len(spec.accept_lengths) > 0
 
 
+@pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 def test_smollm2_int4_weights_equal_the_dequantized_ones(smollm2):
     """The 4-bit Linears carried over as Int4Linear's integers, scales and zeros give the file's weights
     (--dequantize's) up to the bf16 rounding of the scales and zeros: within 1% of a row's largest weight."""
