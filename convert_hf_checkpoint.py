@@ -390,10 +390,10 @@ def linear_shapes(args: ModelArgs) -> dict:
             "mlp.down_proj": (dim, inter, args.mlp_bias)}
 
 
-def check_int4_widths(args: ModelArgs, scheme: HubInt4):
+def check_int4_widths(args: ModelArgs, groupsize: int):
     for module, (out_features, in_features, _) in linear_shapes(args).items():
-        if in_features % scheme.groupsize:
-            raise EagletError(f"group size {scheme.groupsize} does not divide the input width {in_features} of "
+        if in_features % groupsize:
+            raise EagletError(f"group size {groupsize} does not divide the input width {in_features} of "
                               f"{module}: the checkpoint cannot match its quantization_config")
         if out_features % 16:
             raise EagletError(f"int4 needs output widths that are multiples of 16 (torch's CPU kernel); {module} "
@@ -567,7 +567,7 @@ def hub_int4_config(checkpoint_dir: Path, config: dict):
         return None
     try:
         scheme = hub_int4_scheme(config["quantization_config"])
-        check_int4_widths(ModelArgs.from_hf_config({"model_type": "llama", **config}), scheme)
+        check_int4_widths(ModelArgs.from_hf_config({"model_type": "llama", **config}), scheme.groupsize)
     except EagletError as e:
         raise EagletError(f"{checkpoint_dir / 'config.json'}: {e}")
     return scheme
@@ -676,7 +676,7 @@ def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit
         log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them to bf16"
             + (" (and the other Linears fused with them: q, k, v and gate, up go together)" if int4 else ""))
     if int4:
-        check_int4_widths(args, HubInt4("gguf", 32, "gguf"))
+        check_int4_widths(args, 32)
     out_dir = Path(out_dir) if out_dir is not None else f.path.parent
     if out_dir.exists() and not out_dir.is_dir():
         raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
