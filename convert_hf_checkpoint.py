@@ -74,7 +74,8 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
-from draft import eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_eagle3_config  # noqa: E402
+from draft import (eagle3_flags, feature_layer_ids, head_args, head_config, head_kind, is_dflash_config,  # noqa: E402
+                   is_eagle3_config)
 from model import QUANT_KEY, EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
 from quantize import GROUPSIZES, output_path, pack_int4, quantization_record, quantize_group, spill  # noqa: E402
 from convert_gguf import (INT4_TYPES, check_tensor_names, dequantize, find_gguf, gguf_config, gguf_layer,  # noqa: E402
@@ -272,6 +273,23 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
         out["embed.weight"] = embed
     if weights:
         raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])}")
+    return out
+
+
+def convert_dflash_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
+    """A DFlash head: fc, hidden_norm, norm and its Qwen3 layers (keys with or without a leading "model.")."""
+    for k in [k for k in weights if k.startswith("model.")]:
+        weights[k[len("model."):]] = dict.pop(weights, k)  # moved, not read
+    n_layer = head_args(config).n_layer
+    try:
+        out = {name: weights.pop(name) for name in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+        for i in range(n_layer):
+            out.update(convert_layer(weights, f"layers.{i}.", f"layers.{i}."))
+    except KeyError as e:
+        raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
+    if weights:
+        raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])} (config.json "
+                          f"says num_hidden_layers {n_layer})")
     return out
 
 
@@ -634,8 +652,9 @@ def convert_weights(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: 
         return convert_int4_target(checkpoint_dir, config, weights, tmp_dir, hub_int4, log)
     if is_target:
         return convert_target(checkpoint_dir, config, weights, tmp_dir, log)
-    eagle3 = head_kind(config, weights, str(checkpoint_dir)) == "eagle3"  # a head: its keys have no "model." prefix
-    return (convert_eagle3_head if eagle3 else convert_head)(checkpoint_dir, config, weights)
+    kind = head_kind(config, weights, str(checkpoint_dir))
+    convert_kind = {"eagle3": convert_eagle3_head, "dflash": convert_dflash_head}.get(kind, convert_head)
+    return convert_kind(checkpoint_dir, config, weights)
 
 
 def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> dict:
@@ -727,7 +746,8 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, de
     out_dir, hub_int4 = out_folder(checkpoint_dir, out_dir), hub_int4_config(checkpoint_dir, config)
     in_place = out_dir == checkpoint_dir
     weights = load_hf_weights(checkpoint_dir, log)  # the names only
-    is_target = any(k.startswith("model.") for k in weights) and not is_eagle3_config(config)
+    is_target = any(k.startswith("model.") for k in weights) and not (is_eagle3_config(config) or
+                                                                      is_dflash_config(config))
     if hub_int4 and not is_target:
         raise EagletError(f"{checkpoint_dir}: a quantized draft head; eaglet converts 4-bit targets (quantize.py "
                           "--mode int8 takes a converted head)")

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from draft import DraftHead, DraftTree, build_tree, take
+from draft import DraftHead, DraftTree, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
 from quantize import Int4Linear, Int8Linear
@@ -162,9 +162,9 @@ class TreeConfig:
         return max(self.total_tokens, self.depth * self.topk, self.levels)
 
     def expand(self, target: Transformer, draft: DraftHead, root, ctx_len, h_last) -> DraftTree:
-        """Phase 1: the draft tree for this cycle (depth draft passes over the frontier, then the rerank)."""
-        return build_tree(partial(draft.step, target), partial(draft.topk, target), h_last, root, ctx_len,
-                          self.topk, self.depth, self.total_tokens, target.max_seq_length)
+        """Phase 1: the draft tree for this cycle, as the head builds it: an EAGLE head in depth draft passes
+        over the frontier, a DFlash head from one pass over a block of depth + 2; then the rerank."""
+        return draft.expand(target, self, root, ctx_len, h_last)
 
 
 def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
@@ -217,13 +217,10 @@ def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor
 
 def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: Tensor, ctx_len: Tensor,
              n_accepted: Tensor) -> Tensor:
-    """Phase 4: the draft reads the new pairs (f_t, x_{t+1}) with the target's true features, padded to a
-    fixed count; returns its output for the last real pair."""
-    pos = ctx_len[..., None] + torch.arange(emitted.shape[-1], device=ctx_len.device)
-    causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=ctx_len.device).tril()
-    # causal_mask(pos, ...) built from ctx_len itself: split attention's flex mask_mod reads it, a graph input
-    h = draft.step(target, emitted, features, pos, pos, attention_mask(ctx_len, causal, draft.max_seq_length))
-    return take(h, n_accepted[..., None])[..., 0, :]
+    """Phase 4: the draft reads what was committed (the emitted tokens and the target's true features of the
+    accepted path, padded to a fixed count) and returns the state the next expansion starts from (its h_last).
+    An EAGLE head runs over the pairs (f_t, x_{t+1}); a DFlash head writes the context K/V of the features."""
+    return draft.catch_up(target, emitted, features, ctx_len, n_accepted)
 
 
 def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_len: Tensor, h_last: Tensor,
@@ -434,8 +431,8 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
 
 def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):
     """The caches hold at least n_rows rows."""
-    caches = [model.layers[0].attention.kv_cache] + ([draft.layer.attention.kv_cache] if draft is not None else [])
-    held = min(c.k_cache.shape[0] for c in caches if c is not None) if all(caches) else 0
+    caches = [model.kv_cache] + ([draft.kv_cache] if draft is not None else [])
+    held = min(c.kv.shape[2] for c in caches) if all(c is not None for c in caches) else 0
     if n_rows > held:
         raise EagletError(f"{n_rows} prompts at once need caches of {n_rows} rows; they hold {held} "
                           "(setup_caches(max_batch_size=...))")
@@ -490,8 +487,9 @@ def weights_format(module: torch.nn.Module) -> str:
 
 
 def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
-    """Weights one speculative cycle reads: the target once (verify), and per draft pass (depth + 1 of
-    them) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
+    """Weights one speculative cycle reads: the target once (verify), and per draft pass (EAGLE: depth + 1,
+    DFlash: 1) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
     lm_head = draft.lm_head_module(target)
     own = any(lm_head is m for m in draft.modules())
-    return weight_bytes(target) + (tree.depth + 1) * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))
+    passes = draft.draft_passes(tree)
+    return weight_bytes(target) + passes * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))

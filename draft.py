@@ -15,6 +15,7 @@ lm_head's rows); the cycle in decode.py imports this file.
 """
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -33,8 +34,9 @@ class DraftHead(nn.Module):
     feature_layers: the target layers whose input the head reads (() = the target's final-normed hidden state);
     step(): its outputs for tokens paired with target features (catch-up) or with its own outputs (the tree);
     topk(): its k best next tokens, as log-probabilities and TARGET token ids;
-    default_depth: the tree depth its authors decode with."""
+    default_depth, default_topk: the tree its authors decode with."""
     default_depth = 6
+    default_topk = 10
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -50,19 +52,49 @@ class DraftHead(nn.Module):
         """Candidates the head can propose."""
         return len(self.draft_to_target) if self.draft_to_target is not None else self.args.vocab_size
 
+    def blocks(self) -> list:
+        """The head's decoder layers (one for EAGLE heads), each with its part of the head's KV cache."""
+        return [self.layer]
+
     def setup_rope(self, max_seq_length: int):
         """RoPE tables only: enough for training (cache_slots=None, a [T, T] mask)."""
         self.rope = RotaryTable(self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
-                                max_seq_length, self.layer.ffn_norm.weight.device)
+                                max_seq_length, self.blocks()[0].ffn_norm.weight.device)
 
     def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
-        weight = self.layer.ffn_norm.weight  # float in every format (fc may be int8): the activations' dtype
+        blocks = self.blocks()
+        weight = blocks[0].ffn_norm.weight  # float in every format (fc may be int8): the activations' dtype
         self.max_seq_length = max_seq_length
-        self.layer.attention.kv_cache = None
-        self.kv_cache = KVCache(1, max_batch_size, max_seq_length, self.args.n_local_heads, self.args.head_dim,
-                                weight.dtype).to(weight.device)
-        self.layer.attention.kv_cache = self.kv_cache.layer(0)
+        for block in blocks:
+            block.attention.kv_cache = None
+        self.kv_cache = KVCache(len(blocks), max_batch_size, max_seq_length, self.args.n_local_heads,
+                                self.args.head_dim, weight.dtype).to(weight.device)
+        for i, block in enumerate(blocks):
+            block.attention.kv_cache = self.kv_cache.layer(i)
         self.setup_rope(max_seq_length)
+
+    def expand(self, target: Transformer, tree, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> "DraftTree":
+        """The cycle's draft tree (tree: decode.TreeConfig): EAGLE-2's, tree.depth draft passes over the frontier."""
+        return build_tree(partial(self.step, target), partial(self.topk, target), h_last, root, ctx_len,
+                          tree.topk, tree.depth, tree.total_tokens, target.max_seq_length)
+
+    def catch_up(self, target: Transformer, tokens: Tensor, features: Tensor, ctx_len: Tensor,
+                 n_accepted: Tensor) -> Tensor:
+        """The head reads the committed pairs (f_t, x_{t+1}) at positions ctx_len.. (tokens [T] and the target's
+        features [T, F], padded past n_accepted; or [B, T] and [B, T, F]); returns its output for the last real
+        pair, the h_last the next expansion starts from."""
+        pos = ctx_len[..., None] + torch.arange(tokens.shape[-1], device=ctx_len.device)
+        causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=ctx_len.device).tril()
+        # the mask built from ctx_len itself: split attention's flex mask_mod reads it, a graph input
+        h = self.step(target, tokens, features, pos, pos, attention_mask(ctx_len, causal, self.max_seq_length))
+        return take(h, n_accepted[..., None])[..., 0, :]
+
+    def check_tree(self, tree):
+        """Refuse a tree (decode.TreeConfig) the head cannot draft."""
+
+    def draft_passes(self, tree) -> int:
+        """Forwards of the head (each scoring with an lm_head) per cycle: the weights they read."""
+        return tree.depth + 1
 
     def topk(self, target: Transformer, h: Tensor, k: int):
         # Top-k of the raw logits, log-probabilities from their log-sum-exp: log_softmax shifts each row by one
@@ -180,6 +212,89 @@ class Eagle3Draft(DraftHead):
         return self.lm_head
 
 
+class DFlashDraft(DraftHead):
+    """DFlash: a block [root, mask x (block - 1)] drafted in ONE forward of a few Qwen3 layers. The context is
+    fc(the target's features of several layers) -> hidden_norm; each layer projects it to keys and values
+    (k_norm, RoPE at the context's own positions) that catch_up writes to the head's cache once, with no attention.
+    The block's queries see all that context and the WHOLE block (not causal); the final norm and the TARGET's
+    lm_head turn block positions 1.. into one draft distribution each. The block's own K/V go to scratch slots
+    after the context and are overwritten by the next catch-up. The head has no embedding or lm_head."""
+
+    def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int):
+        super().__init__(args)
+        self.fc = nn.Linear(n_features * args.dim, args.dim, bias=False)
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+
+    default_topk = 1  # the chain, as DFlash's authors decode
+
+    @property
+    def default_depth(self) -> int:
+        """A tree's depth + 2 tokens make the block: the root and one mask per level below it."""
+        return self.block_size - 2
+
+    def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
+        window = self.args.sliding_window
+        if window and max_seq_length > window:
+            raise EagletError(f"{max_seq_length} tokens exceed the DFlash head's sliding window ({window}); eaglet "
+                              "runs its layers with full attention, which is exact only within the window")
+        super().setup_caches(max_seq_length, max_batch_size)
+
+    def blocks(self) -> list:
+        return list(self.layers)
+
+    def catch_up(self, target: Transformer, tokens: Tensor, features: Tensor, ctx_len: Tensor,
+                 n_accepted: Tensor) -> Tensor:
+        """Context K/V of the committed positions ctx_len.. from the target's features [T, F] (or [B, T, F]) in
+        every layer. The padding past n_accepted is written too: no mask shows it, the next catch-up overwrites it.
+        Returns the last committed position's context vector (the cycle's h_last, which the block does not read)."""
+        pos = ctx_len[..., None] + torch.arange(features.shape[-2], device=ctx_len.device)
+        context = self.hidden_norm(self.fc(features))
+        x = context if context.ndim == 3 else context[None]
+        cos, sin = self.rope(pos, x.dtype)
+        for layer in self.layers:
+            _, k, v = layer.attention.project(x, cos, sin)
+            layer.attention.kv_cache.update(pos, k, v)
+        return take(context, n_accepted[..., None])[..., 0, :]
+
+    def block_logits(self, target: Transformer, root: Tensor, ctx_len: Tensor, n: int) -> Tensor:
+        """The block [root, mask x (n - 1)] at positions ctx_len.. -> the final-normed outputs of its positions
+        1..n-1 [..., n - 1, dim] (root and ctx_len 0-d, or [B] for a batch)."""
+        masks = torch.full((*root.shape, n - 1), self.mask_token_id, dtype=root.dtype, device=root.device)
+        tokens = torch.cat([root[..., None], masks], dim=-1)
+        pos = ctx_len[..., None] + torch.arange(n, device=ctx_len.device)
+        x = target.tok_embeddings(tokens.view(-1, n))
+        cos, sin = self.rope(pos, x.dtype)
+        every = torch.ones(n, n, dtype=torch.bool, device=root.device)  # not causal: the whole block sees itself
+        mask = attention_mask(ctx_len, every, self.max_seq_length)
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos, mask)
+        return self.norm(x[:, 1:]).view(*root.shape, n - 1, -1)
+
+    def expand(self, target: Transformer, tree, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> "DraftTree":
+        """One pass over a block of tree.depth + 2; the tree from its positions' top-k (a chain for top-k 1)."""
+        self.check_tree(tree)
+        n = tree.depth + 2
+        logp, ids = self.topk(target, self.block_logits(target, root, ctx_len, n), tree.topk)
+        return block_tree(logp, ids, root, tree.total_tokens)
+
+    def check_tree(self, tree):
+        if tree.depth + 2 > self.block_size:
+            raise EagletError(f"a tree of depth {tree.depth} needs a block of {tree.depth + 2} tokens; this DFlash "
+                              f"head was trained on blocks of {self.block_size} (depth at most {self.block_size - 2})")
+
+    def logits(self, target: Transformer, h: Tensor) -> Tensor:
+        return target.output(h)
+
+    def lm_head_module(self, target: Transformer) -> nn.Module:
+        return target.output
+
+    def draft_passes(self, tree) -> int:
+        return 1
+
+
 def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:
     if isinstance(linear, Int8Linear):
         return linear.rows(ids)
@@ -191,7 +306,7 @@ def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:
 
 
 def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
-    """An EAGLE-1/2 or EAGLE-3 head converted by convert_hf_checkpoint.py (or quantized by quantize.py),
+    """An EAGLE-1/2, EAGLE-3 or DFlash head converted by convert_hf_checkpoint.py (or quantized by quantize.py),
     checked against its target."""
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
@@ -200,9 +315,11 @@ def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.floa
     config = head_config(read_config(checkpoint_path.parent), str(checkpoint_path.parent / "config.json"))
     state_dict = load_state_dict(checkpoint_path)
     pop_quantization(state_dict, checkpoint_path)  # its Linears are told by their keys (assign_weights)
-    args = head_args(config)
-    if head_kind(config, state_dict, str(checkpoint_path)) == "eagle3":
+    args, kind = head_args(config), head_kind(config, state_dict, str(checkpoint_path))
+    if kind == "eagle3":
         model = eagle3_from_state_dict(config, args, state_dict, target, str(checkpoint_path))
+    elif kind == "dflash":
+        model = dflash_from_state_dict(config, args, state_dict, target, str(checkpoint_path))
     else:
         if args.dim != target.dim or config.get("vocab_size", target.vocab_size) != target.vocab_size:
             differ = [f"{name} {mine} vs {theirs}" for name, mine, theirs in
@@ -252,6 +369,48 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
     model.draft_to_target = draft_to_target
     model.feature_layers = eagle3_feature_layers(config, target.n_layer, where)
     return model
+
+
+def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, target: ModelArgs,
+                           where: str) -> DFlashDraft:
+    """A DFlash head from its config.json (Qwen3 keys, block_size, num_target_layers, dflash_config) and weights,
+    refused by name before any weight moves if it does not fit the target."""
+    dflash = config.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise EagletError(f"{where}: dflash_config must be a JSON object, got {dflash!r}")
+    differ = [f"{name} {mine} vs {theirs}" for name, mine, theirs in
+              [("hidden size", args.dim, target.dim), ("vocabulary", args.vocab_size, target.vocab_size),
+               ("target layers", config.get("num_target_layers", target.n_layer), target.n_layer)] if mine != theirs]
+    if differ:
+        raise EagletError(f"DFlash head {where} does not match the target (head vs target): {', '.join(differ)}")
+    block_size, mask_id = dflash.get("block_size", config.get("block_size")), dflash.get("mask_token_id")
+    if type(block_size) is not int or block_size < 2:
+        raise EagletError(f"{where}: block_size must be a whole number of at least 2, got {block_size!r}")
+    if type(mask_id) is not int or not 0 <= mask_id < target.vocab_size:
+        raise EagletError(f"{where}: dflash_config.mask_token_id must be a token id below the target's vocabulary "
+                          f"({target.vocab_size}), got {mask_id!r}")
+    ids = dflash.get("target_layer_ids") or dflash_layer_ids(target.n_layer, args.n_layer)
+    if not isinstance(ids, list) or not all(type(k) is int and 0 <= k <= target.n_layer - 2 for k in ids):
+        raise EagletError(f"{where}: target_layer_ids {ids!r} must name layers 0..{target.n_layer - 2} of the "
+                          f"{target.n_layer}-layer target (its last layer's output, after the final norm in "
+                          "transformers' numbering, is not a feature eaglet taps)")
+    if "sliding_attention" in (config.get("layer_types") or []) and config.get("use_sliding_window", True):
+        args.sliding_window = config.get("sliding_window")
+    args.qk_norm = True  # DFlash layers are Qwen3's, whatever model_type says
+    with torch.device("meta"):
+        model = DFlashDraft(args, len(ids), block_size, mask_id)
+    assign_weights(model, state_dict, where)
+    model.feature_layers = tuple(k + 1 for k in ids)  # layer k's output is the input of layer k + 1
+    return model
+
+
+def dflash_layer_ids(n_target_layers: int, n_draft_layers: int) -> list:
+    """DFlash's default feature layers: the middle one for a one-layer head, else one per draft layer spread
+    evenly from layer 1 to layer L - 3 (rounded half to even, as Python's round)."""
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    span = n_target_layers - 4
+    return [round(1 + i * span / (n_draft_layers - 1)) for i in range(n_draft_layers)]
 
 
 def eagle3_feature_layers(config: dict, n_layer: int, where: str) -> tuple:
@@ -351,8 +510,14 @@ def head_args(config: dict) -> ModelArgs:
 
 
 def head_kind(config: dict, keys, where: str) -> str:
-    """'eagle' or 'eagle3', told apart by their keys (both configs look like a one-layer LLaMA); or an error.
+    """'eagle' or 'eagle3', told apart by their keys (both configs look like a one-layer LLaMA), or 'dflash' (its
+    config says so); or an error.
     config: flat (head_config)."""
+    if is_dflash_config(config):
+        architectures = [str(a) for a in config.get("architectures") or []]
+        if architectures and architectures != ["DFlashDraftModel"]:
+            raise EagletError(f"{where}: architectures {architectures}; eaglet runs DFlashDraftModel heads")
+        return "dflash"
     nested = sorted(k for k in keys if k.startswith("model."))
     if nested and is_eagle3_config(config):
         raise EagletError(f"{where}: an EAGLE-3 head with its weights under model. ({nested[0]}, ...), a layout "
@@ -372,6 +537,10 @@ def is_eagle3_config(config: dict) -> bool:
     architectures = config.get("architectures") or []
     return config.get("draft_vocab_size") is not None or "speculators_model_type" in config or \
         any("Eagle3" in str(a) for a in architectures)
+
+
+def is_dflash_config(config: dict) -> bool:
+    return "dflash_config" in config or any("DFlash" in str(a) for a in config.get("architectures") or [])
 
 
 def read_draft_vocab(path, vocab_size: int) -> Tensor:
@@ -443,6 +612,26 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
     pool_scores = torch.cat(pool_scores, dim=-1)
     return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
                        torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
+
+
+def block_tree(logp: Tensor, ids: Tensor, root: Tensor, total_tokens: int) -> DraftTree:
+    """A tree from a block's per-position top-k (logp, ids [..., levels, k]): every node at level i has the same
+    k children, position i + 1's candidates, scored by the product of their marginals. As in build_tree, the k
+    best paths of each level grow, then the total_tokens - 1 best nodes are kept; top-k 1 gives the chain."""
+    levels, k = logp.shape[-2:]
+    scores, frontier = logp[..., 0, :], torch.arange(k, device=ids.device).expand_as(ids[..., 0, :])
+    pool_tokens, pool_scores, pool_logp, pool_parents = [ids[..., 0, :]], [scores], [scores], [torch.full_like(frontier, -1)]
+    for i in range(1, levels):
+        child_logp = logp[..., i, None, :].expand(*scores.shape, k).flatten(-2)  # [..., k parents x k children]
+        child_scores = scores.repeat_interleave(k, dim=-1) + child_logp
+        pool_tokens.append(ids[..., i, None, :].expand(*scores.shape, k).flatten(-2))
+        pool_scores.append(child_scores)
+        pool_logp.append(child_logp)
+        pool_parents.append(frontier.repeat_interleave(k, dim=-1))
+        scores, best = child_scores.topk(k)
+        frontier = k + (i - 1) * k * k + best
+    return layout_tree(choose_nodes(torch.cat(pool_scores, dim=-1), total_tokens), torch.cat(pool_tokens, dim=-1),
+                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, levels)
 
 
 def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:

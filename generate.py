@@ -52,12 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--no_draft", action="store_true",
                    help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
     p.add_argument("--depth", type=int_flag(1), default=None,
-                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads)")
+                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads; a DFlash head's block size - 2: "
+                        "its tree has depth + 1 levels, one per block position after the root)")
     p.add_argument("--tree_topk", type=int_flag(1), default=None,
-                   help="children per node and nodes kept per level (default: 10)")
+                   help="children per node and nodes kept per level (default: 10; 1 for DFlash heads, a chain)")
     p.add_argument("--total_tokens", type=total_tokens_flag, default=None,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up "
-                        "(default: 60)")
+                        "(default: 60, or all the nodes of a smaller tree: a chain's depth + 2)")
     p.add_argument("--tree", choices=["given", "auto"], default="given",
                    help="given: the tree of --depth, --tree_topk and --total_tokens; auto: measure each tree of "
                         f"depth/tree_topk/total_tokens {grid_text()} on this device at batch 1 (tau: greedy decoding "
@@ -134,8 +135,6 @@ def parse_args(argv=None):
             p.error(f"--tree auto picks depth, tree_topk and total_tokens itself: leave out --{given[0]}")
         if not args.draft_checkpoint_path:
             p.error("--tree auto tunes the draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
-    args.tree_topk = args.tree_topk or 10
-    args.total_tokens = args.total_tokens or 60
     args.prompts = args.prompts or [DEMO_PROMPT]
     args.prompt = args.prompts[0]
     args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
@@ -179,7 +178,7 @@ from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa:
 from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
-from draft import DraftHead, EagleDraft, head_config, load_head, read_draft_vocab  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft, head_config, load_head, read_draft_vocab  # noqa: E402
 from model import EagletError, Transformer, read_config  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
@@ -237,7 +236,7 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
 
 
 def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None) -> DraftHead:
-    """An EAGLE-1/2 or EAGLE-3 head for this target, on its device and in its dtype, with a cache as long as
+    """An EAGLE-1/2, EAGLE-3 or DFlash head for this target, on its device and in its dtype, with a cache as long as
     the target's (if that has one yet). The target is set to return the features the head reads.
     draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
     beside the head, if there is one ("full": the whole vocabulary)."""
@@ -250,13 +249,18 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
         draft_vocab = beside
     if draft_vocab is not None and str(draft_vocab) != "full":
         if not isinstance(draft, EagleDraft):
-            raise EagletError("an EAGLE-3 head has its own draft vocabulary (d2t); --draft_vocab is for EAGLE-1/2 heads")
+            raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {draft_kind(draft)}")
         draft.restrict_vocab(target, read_draft_vocab(draft_vocab, target.args.vocab_size))
         if log:
             log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft_vocab}")
     if target.max_seq_length:
         draft.setup_caches(target.max_seq_length)
     return draft
+
+
+def draft_kind(draft: DraftHead) -> str:
+    return "an EAGLE-3 head has its own draft vocabulary (d2t)" if isinstance(draft, Eagle3Draft) else \
+        "a DFlash head scores the target's whole vocabulary"
 
 
 def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,
@@ -304,10 +308,13 @@ def configs(args, draft: Optional[DraftHead] = None):
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if args.tree == "auto":  # the grid's tree of the most scratch, for the cache; the tree itself is tuned later
         return sampling, widest_tree()
-    depth = args.depth or (draft.default_depth if draft is not None else TreeConfig.depth)
-    tree = TreeConfig(depth, args.tree_topk, 2)  # checks depth and tree_topk
+    head = draft or DraftHead
+    tree = TreeConfig(args.depth or head.default_depth, args.tree_topk or head.default_topk, 2)  # checks them
     auto = args.total_tokens == "auto"
-    size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else args.total_tokens
+    if draft is not None:
+        draft.check_tree(tree)
+    size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else \
+        args.total_tokens or min(TreeConfig.total_tokens, tree.max_total_tokens)  # a chain: all its nodes
     return sampling, replace(tree, total_tokens=size)  # checks the size
 
 

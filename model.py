@@ -244,7 +244,8 @@ class Attention(nn.Module):
         self.kv_cache: Optional[LayerCache] = None  # set by setup_caches
         self.tp_group = None  # tensor parallel (tp.py): this rank holds some heads; wo's output is a partial sum
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """q [B, H, T, D], k and v [B, H_kv, T, D] of x [B, T, dim]: normed (Qwen3) and rotated."""
         bsz, seqlen, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -253,11 +254,15 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache_slots: Tensor, mask: Tensor) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if self.kv_cache is not None:  # without a cache (training) the block attends to itself only
             k, v = self.kv_cache.update(cache_slots, k, v)
         y = attend(q, k, v, mask)
-        return all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_dim)), self.tp_group)
+        return all_reduce(self.wo(y.transpose(1, 2).reshape(bsz, seqlen, -1)), self.tp_group)
 
 
 def all_reduce(x: Tensor, group) -> Tensor:
