@@ -1,7 +1,7 @@
-"""Train an EAGLE-1/2 or EAGLE-3 draft head for a converted target; save it in the published format.
+"""Train an EAGLE-1/2, EAGLE-3 or DFlash draft head for a converted target; save it in the published format.
 
     python train_draft.py --checkpoint_path checkpoints/org/model/model.pth --data corpus/*.txt \\
-        --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3]
+        --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3 | --head dflash]
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/org/model-eagle   # -> draft.pth
 
 Data: plain text files (every token counts), or FastChat question files (.jsonl with "turns"; only the
@@ -18,6 +18,11 @@ EAGLE-3 (--head eagle3): the head reads the target's hidden states entering laye
 learns only the target's next-token distributions over its draft vocabulary (the --draft_vocab_size
 tokens most frequent in the data), unrolled --unroll_steps steps on its own outputs as the draft tree
 runs it (the "training-time test"), step j's loss weighted step_decay^j.
+DFlash (--head dflash): --draft_layers Qwen3 layers read the target's hidden states entering --feature_layers
+(default: one per draft layer, spread through the target); each step trains --anchors blocks per sequence at
+once, each a random anchor token followed by --block_size - 1 masks that see only the context before the
+anchor and their own block, and predict the target's own next tokens, block position k weighted
+exp(-(k - 1) / gamma).
 """
 # (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
 # tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
@@ -28,7 +33,7 @@ import os
 import random
 import sys
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -51,10 +56,16 @@ class TrainConfig:
     unroll_steps: int = 7  # EAGLE-3: steps of the training-time test
     step_decay: float = 0.8  # EAGLE-3: step j's loss weight is step_decay^j
     draft_vocab_size: int = 0  # EAGLE-3: 0 means 32000, or the whole vocabulary if smaller
+    block_size: int = 16  # DFlash: tokens per block, the root and block_size - 1 masks
+    draft_layers: int = 1  # DFlash: the head's decoder layers
+    anchors: int = 32  # DFlash: blocks trained per sequence, each after a random anchor
+    gamma: float = 0.0  # DFlash: block position k's loss weighs exp(-(k - 1) / gamma); 0: 7, or block_size / 2 below 16
+    mask_token_id: int = -1  # DFlash: the token the masks are embedded as; -1: the last of the target's vocabulary
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 1, "warmup": 0, "seed": 0,
-                    "weight_decay": 0, "noise": 0, "ce_weight": 0, "unroll_steps": 1, "draft_vocab_size": 0}
+                    "weight_decay": 0, "noise": 0, "ce_weight": 0, "unroll_steps": 1, "draft_vocab_size": 0,
+                    "block_size": 2, "draft_layers": 1, "anchors": 1, "gamma": 0, "mask_token_id": -1}
         bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
         bad += [f"{k} must be above 0" for k in ("lr", "grad_clip", "step_decay")
                 if not 0 < getattr(self, k) < math.inf]
@@ -72,10 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--head", choices=["eagle", "eagle3"], default="eagle", help="EAGLE-1/2 or EAGLE-3 head")
-    p.add_argument("--feature_layers", type=int_flag(1), nargs=3, default=None,
-                   help="EAGLE-3: the target layers whose input the head reads (default: 2, L//2, L-3; "
-                        "L: the last layer's output)")
+    p.add_argument("--head", choices=["eagle", "eagle3", "dflash"], default="eagle",
+                   help="EAGLE-1/2, EAGLE-3 or DFlash head")
+    p.add_argument("--feature_layers", type=int_flag(1), nargs="+", default=None,
+                   help="EAGLE-3 (three) and DFlash (any number): the target layers whose input the head reads "
+                        "(EAGLE-3 default: 2, L//2, L-3; L: the last layer's output; DFlash default: one per draft "
+                        "layer, spread from the input of layer 2 to that of layer L - 2)")
     helps = {"steps": "optimizer steps", "batch_size": "sequences per step",
              "seq_len": "tokens per sequence: text is cut into pieces this long, conversations truncated",
              "lr": "peak learning rate (AdamW)", "warmup": "steps of linear warm-up; then a cosine decay to 0.1 x lr",
@@ -87,7 +100,15 @@ def parse_args(argv=None):
              "unroll_steps": "EAGLE-3: steps of the training-time test (the head unrolled on its own outputs)",
              "step_decay": "EAGLE-3: the loss of unrolled step j weighs step_decay^j",
              "draft_vocab_size": "EAGLE-3: the draft vocabulary, the most frequent tokens of the data; "
-                                 "0: 32000, or the whole vocabulary if smaller"}
+                                 "0: 32000, or the whole vocabulary if smaller",
+             "block_size": "DFlash: tokens per block (the root and block_size - 1 masks); a head decodes with "
+                           "blocks of this size or smaller",
+             "draft_layers": "DFlash: the head's decoder layers (the published heads have 5)",
+             "anchors": "DFlash: blocks trained at once per sequence, each after a random anchor position",
+             "gamma": "DFlash: block position k's loss weighs exp(-(k - 1) / gamma); 0: 7 for blocks of 16 or "
+                      "more, else block_size / 2 (the paper's 7, 5, 4 for 16, 10, 8)",
+             "mask_token_id": "DFlash: the token whose embedding fills the block after the root; -1: the last id "
+                              "of the target's vocabulary (use a real model's reserved mask token if it has one)"}
     for name, value in asdict(TrainConfig()).items():
         flag = int_flag(0) if isinstance(value, int) else float_flag(0)
         p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
@@ -102,7 +123,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from draft import DraftHead, Eagle3Draft, EagleDraft, eagle3_feature_layers, head_args  # noqa: E402
+from draft import (DFlashDraft, DraftHead, Eagle3Draft, EagleDraft, dflash_layer_ids, eagle3_feature_layers,  # noqa: E402
+                   head_args, is_dflash_config)
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
 from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
 from quantize import Int8Linear  # noqa: E402
@@ -558,6 +580,106 @@ def eagle3_loss(head: Eagle3Draft, target: Transformer, tokens, mask, cfg: Train
     return (decay * losses).sum(), top1
 
 
+def dflash_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> dict:
+    """A DFlash head's config.json as the published heads write it: Qwen3 keys of the target's shapes, the block
+    size, the target's layer count and dflash_config (mask token, target layer ids: id k = the output of layer k)."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": args.dim,
+            "num_hidden_layers": cfg.draft_layers, "num_attention_heads": args.n_head,
+            "num_key_value_heads": args.n_local_heads, "head_dim": args.head_dim,
+            "intermediate_size": args.intermediate_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_base,
+            "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_position_embeddings,
+            "vocab_size": args.vocab_size, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "float32",
+            "block_size": cfg.block_size, "num_target_layers": args.n_layer,
+            "dflash_config": {"mask_token_id": dflash_mask_id(cfg, args),
+                              "target_layer_ids": [k - 1 for k in feature_layers]}}
+
+
+def dflash_mask_id(cfg: TrainConfig, args: ModelArgs) -> int:
+    return cfg.mask_token_id if cfg.mask_token_id >= 0 else args.vocab_size - 1
+
+
+def dflash_feature_layers(cfg: TrainConfig, n_layer: int, feature_layers=None) -> tuple:
+    """--feature_layers (layer inputs), or DFlash's default ids for the head's depth, as layer inputs."""
+    layers = tuple(feature_layers) if feature_layers else tuple(k + 1 for k in dflash_layer_ids(n_layer, cfg.draft_layers))
+    if not all(1 <= k <= n_layer - 1 for k in layers):
+        raise EagletError(f"a DFlash head reads the inputs of layers 1..{n_layer - 1} of a {n_layer}-layer target "
+                          f"(layer k's input is layer k - 1's output), not {list(layers)}")
+    return layers
+
+
+def new_dflash_head(target: Transformer, cfg: TrainConfig, config: dict) -> DFlashDraft:
+    device = target.output.weight.device
+    torch.manual_seed(cfg.seed)
+    args = replace(head_args(config), qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    ids = config["dflash_config"]["target_layer_ids"]
+    head = DFlashDraft(args, len(ids), cfg.block_size, config["dflash_config"]["mask_token_id"]).to(device)
+    for p in head.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    head.feature_layers = tuple(k + 1 for k in ids)
+    return head
+
+
+def dflash_anchors(mask: torch.Tensor, n: int):
+    """n random anchor positions per row whose next token counts (anchors [B, n]), and which are real
+    (a row with fewer such positions repeats some, marked False)."""
+    counts = mask[:, 1:] > 0  # anchor a predicts a + 1.. ; its own token is the block's root
+    score = torch.rand(counts.shape, device=mask.device) + counts  # counting positions score above 1
+    top = score.topk(min(n, counts.shape[1]), dim=-1)
+    return top.indices, top.values >= 1
+
+
+def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anchors) -> torch.Tensor:
+    """Every anchor's block at once, as decoding drafts it: [B, A, block_size - 1, dim] outputs of positions 1...
+    Block (anchor a) queries see the context strictly before a and their own block only, never another block."""
+    bsz, seq = tokens.shape
+    n_anchors, size, device = anchors.shape[1], head.block_size, tokens.device
+    offsets = torch.arange(size, device=device)
+    pos = (anchors[..., None] + offsets).view(bsz, -1)  # [B, A x size]
+    roots = tokens.gather(1, anchors)[..., None]
+    x = target.tok_embeddings(torch.where(offsets == 0, roots, head.mask_token_id).view(bsz, -1))
+    context = head.hidden_norm(head.fc(features))
+    ctx_pos = torch.arange(seq, device=device)
+    (cos_c, sin_c), (cos_b, sin_b) = head.rope(ctx_pos, x.dtype), head.rope(pos, x.dtype)
+    block_of = torch.arange(n_anchors, device=device).repeat_interleave(size)
+    sees_context = ctx_pos < anchors.repeat_interleave(size, dim=1)[..., None]  # [B, A x size, seq]
+    sees_block = (block_of[:, None] == block_of).expand(bsz, -1, -1)
+    mask = torch.cat([sees_context, sees_block], dim=-1)[:, None]
+    for layer in head.layers:
+        attention = layer.attention
+        _, k_c, v_c = attention.project(context, cos_c, sin_c)
+        q, k_b, v_b = attention.project(layer.attention_norm(x), cos_b, sin_b)
+        y = F.scaled_dot_product_attention(q, torch.cat([k_c, k_b], 2), torch.cat([v_c, v_b], 2), attn_mask=mask,
+                                           enable_gqa=attention.n_kv != attention.n_head)
+        x = x + attention.wo(y.transpose(1, 2).reshape(bsz, pos.shape[1], -1))
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, 1:]
+
+
+def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: TrainConfig):
+    """Cross-entropy of each block position k = 1..size-1 against the target's own pick for position a + k (its
+    argmax after a + k - 1), weighted exp(-(k - 1) / gamma): the early positions decide how much of a block is
+    accepted. Returns it and the top-1 agreement at each block position."""
+    seq, size = tokens.shape[1], head.block_size
+    pos = torch.arange(seq, device=tokens.device)
+    with torch.no_grad():
+        logits, features = target(tokens, pos, None, causal(seq, tokens.device))
+        picks = logits.argmax(-1)  # picks[t]: the target's next token after position t
+    anchors, real = dflash_anchors(mask, cfg.anchors)
+    h = dflash_blocks(head, target, tokens, features, anchors)
+    where = anchors[..., None] + torch.arange(size - 1, device=tokens.device)  # the pick that block position k + 1 predicts
+    inside = (where + 1 < seq) & real[..., None]
+    where = where.clamp(max=seq - 2)
+    want = picks.gather(1, where.flatten(1)).view_as(where)
+    counts = inside & (mask.gather(1, (where + 1).flatten(1)).view_as(where) > 0)
+    gamma = cfg.gamma or (7.0 if size >= 16 else size / 2)
+    weight = torch.exp(-torch.arange(size - 1, device=tokens.device) / gamma) * counts
+    head_logits = target.output(h).float()
+    ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
+    agree = ((head_logits.argmax(-1) == want) & counts).float().sum((0, 1))
+    return (ce * weight).sum() / weight.sum().clamp(min=1e-6), agree / counts.float().sum((0, 1)).clamp(min=1)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -566,10 +688,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_head(kind: str, target: Transformer, examples: list, cfg: TrainConfig, feature_layers=None):
-    """A fresh head of this kind ("eagle" or "eagle3") for the target, the loss it trains with, its config.json."""
+    """A fresh head of this kind ("eagle", "eagle3" or "dflash") for the target, the loss it trains with, its
+    config.json."""
     if kind == "eagle":
         config = {**llama_head_config(target.args), "bias": True}
         return new_head(target.args, target.output.weight.device, cfg.seed), head_loss, config
+    if kind == "dflash":
+        config = dflash_config(target.args, cfg, dflash_feature_layers(cfg, target.args.n_layer, feature_layers))
+        return new_dflash_head(target, cfg, config), dflash_loss, config
     size = draft_vocab_size(cfg, target.args.vocab_size)
     config = eagle3_config(target.args, size, feature_layers)
     draft_ids = draft_vocabulary(examples, target.args.vocab_size, size)
@@ -593,7 +719,7 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
     if len(examples) < cfg.batch_size:
         log(f"{len(examples)} examples, fewer than batch_size {cfg.batch_size}: each batch holds all of them")
     target.setup_rope(cfg.seq_len)
-    head.setup_rope(cfg.seq_len + cfg.unroll_steps)  # EAGLE-3's step j runs j positions ahead
+    head.setup_rope(cfg.seq_len + max(cfg.unroll_steps, cfg.block_size))  # EAGLE-3's step j runs j positions ahead
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     data = batches(examples, cfg.batch_size, cfg.seq_len, pad_id=0, seed=cfg.seed + start)
     with Progress("training", cfg.steps, "steps", start=start, log=log) as progress:
@@ -612,7 +738,8 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
             torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
             recent.append((loss.detach(), top1.detach()))
-            progress.update(step + 1, lambda: recent_means(recent))
+            progress.update(step + 1, lambda: recent_means(recent, "block positions" if kind == "dflash" else
+                                                           "unrolled steps"))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                             "config": asdict(cfg), "target": target_shape(target), "kind": head_settings(head)},
@@ -624,12 +751,13 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
 RECENT_STEPS = 50  # the progress line's loss and top-1 agreement: means over this many steps, not one batch's
 
 
-def recent_means(recent) -> str:
+def recent_means(recent, steps: str = "unrolled steps") -> str:
     """The loss and top-1 agreement (the share of positions where the head's most likely token is the
-    target's; EAGLE-3: one per unrolled step) of the last steps, averaged, and labelled with how many."""
+    target's; EAGLE-3: one per unrolled step, DFlash: per block position) of the last steps, averaged, and
+    labelled with how many."""
     loss = torch.stack([loss for loss, _ in recent]).float().mean().item()
     top1 = torch.stack([top1.view(-1) for _, top1 in recent]).float().mean(0).tolist()
-    label = "top-1 agreement" if len(top1) == 1 else f"top-1 agreement at unrolled steps 1-{len(top1)}"
+    label = "top-1 agreement" if len(top1) == 1 else f"top-1 agreement at {steps} 1-{len(top1)}"
     over = f"means of the last {len(recent)} steps" if len(recent) > 1 else "this step's batch"
     return f"loss {loss:.4f}, {label} {' '.join(f'{a:.3f}' for a in top1)} ({over})"
 
@@ -642,6 +770,9 @@ def head_settings(head: DraftHead) -> dict:
     """What a train_state.pt must agree on besides the target: the head's kind, features and draft vocabulary."""
     if isinstance(head, EagleDraft):
         return {"head": "eagle"}
+    if isinstance(head, DFlashDraft):
+        return {"head": "dflash", "feature_layers": list(head.feature_layers), "block_size": head.block_size,
+                "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer}
     return {"head": "eagle3", "feature_layers": list(head.feature_layers),
             "draft_vocab": head.draft_to_target.tolist()}
 
@@ -683,8 +814,9 @@ def check_out_dir(out_dir: Path):
     if not out_dir.is_dir():
         return
     found = sorted(f.name for f in out_dir.iterdir() if f.name == "config.json" or f.suffix in WEIGHT_SUFFIXES)
-    ours = (out_dir / "train_state.pt").is_file() and (
-        not (out_dir / "config.json").is_file() or read_config(out_dir).get("num_hidden_layers") == 1)
+    ours = (out_dir / "train_state.pt").is_file() and (not (out_dir / "config.json").is_file() or
+                                                       read_config(out_dir).get("num_hidden_layers") == 1 or
+                                                       is_dflash_config(read_config(out_dir)))
     if found and not ours:
         raise EagletError(f"--out_dir {out_dir} already holds a checkpoint ({', '.join(found[:4])}) that is not a "
                           "head being trained there; writing the head would overwrite it: choose another folder")
@@ -716,6 +848,10 @@ def save_head(head: DraftHead, config: dict, out_dir: Path):
     args, sd = head.args, {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
     if isinstance(head, EagleDraft):
         weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"], **export_layer(sd, "layer.", "layers.0.", args)}
+    elif isinstance(head, DFlashDraft):
+        weights = {k: sd[k] for k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
+        for i in range(args.n_layer):
+            weights.update(export_layer(sd, f"layers.{i}.", f"layers.{i}.", args))
     else:
         draft_ids = head.draft_to_target.cpu()
         t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
@@ -777,13 +913,30 @@ def main(argv=None):
 
 def check_head_flags(args, cfg: TrainConfig, target: Transformer):
     """The EAGLE-3 settings against the target, before any long work (self-distillation)."""
+    dflash = [f"--{k}" for k, v in asdict(cfg).items() if k in DFLASH_FLAGS and v != getattr(TrainConfig, k)]
+    if dflash and args.head != "dflash":
+        raise EagletError(f"{dflash[0]} is for DFlash heads (--head dflash)")
     if args.head == "eagle":
         if args.feature_layers or cfg.draft_vocab_size:
             raise EagletError("--feature_layers and --draft_vocab_size are for EAGLE-3 heads (--head eagle3)")
         return
+    if args.head == "dflash":
+        if cfg.draft_vocab_size:
+            raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a DFlash head scores the whole vocabulary")
+        dflash_feature_layers(cfg, target.args.n_layer, args.feature_layers)
+        mask_id = dflash_mask_id(cfg, target.args)
+        if mask_id >= target.args.vocab_size:
+            raise EagletError(f"--mask_token_id {mask_id} is not below the target's vocabulary ({target.args.vocab_size})")
+        if not target.tok_embeddings.weight[mask_id].any():
+            raise EagletError(f"the mask token {mask_id} has an all-zero embedding: every mask would look alike to "
+                              "the head; give another --mask_token_id")
+        return
     draft_vocab_size(cfg, target.args.vocab_size)
     where = "--feature_layers" if args.feature_layers else "an EAGLE-3 head by default (layers 2, L//2, L-3)"
     eagle3_feature_layers(eagle3_config(target.args, 1, args.feature_layers), target.args.n_layer, where)
+
+
+DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "gamma", "mask_token_id")
 
 
 def check_lengths(target: Transformer, cfg: TrainConfig, max_new_tokens: int):

@@ -1,0 +1,122 @@
+"""train_draft.py --head dflash: the training forward is the decode-time block pass (each anchor's block sees
+only the context before its anchor), training raises agreement, the CLI writes the published layout, resumes,
+and the head it makes decodes losslessly; its mistakes are refused."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import generate
+import train_draft
+from conftest import expect_error, read_generation
+from convert_hf_checkpoint import convert
+from decode import SamplingConfig, catch_up
+from draft import DFlashDraft
+from generate import load_draft, load_target
+from test_train_eagle3 import corpus
+
+
+def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5)):
+    cfg = train_draft.TrainConfig(block_size=block_size, draft_layers=draft_layers, seed=3)
+    head, loss_fn, config = train_draft.make_head("dflash", target, [], cfg, feature_layers)
+    with torch.no_grad():  # norms away from one, so that a norm applied in the wrong place shows
+        for name, p in head.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
+    target.set_feature_layers(head.feature_layers)
+    return head, cfg
+
+
+@pytest.mark.parametrize("block_size", [4, 7])
+def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
+    """dflash_blocks over a whole sequence, anchors anywhere (also 0 and the last position), gives for each anchor a
+    what block_logits gives at decode time after catch_up wrote the context of positions 0..a-1."""
+    target_dir, _ = checkpoints("llama8")
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    head, cfg = fresh_head(target, block_size)
+    tokens = torch.randint(4, 96, (2, 21), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[0, 5, 12, 20], [3, 9, 1, 17]])
+    seq = tokens.shape[1]
+    target.setup_rope(64)
+    head.setup_rope(64)
+    with torch.no_grad():  # training: no caches
+        _, features = target(tokens, torch.arange(seq), None, train_draft.causal(seq, "cpu"))
+        trained = train_draft.dflash_blocks(head, target, tokens, features, anchors)
+    head.setup_caches(64)  # decode time: the head's cache
+    with torch.no_grad():
+        for row in range(2):
+            for j, a in enumerate(anchors[row].tolist()):
+                if a:
+                    catch_up(target, head, tokens[row, 1:a + 1], features[row, :a], torch.tensor(0), torch.tensor(a - 1))
+                decoded = head.block_logits(target, tokens[row, a], torch.tensor(a), block_size)
+                torch.testing.assert_close(trained[row, j], decoded, atol=1e-5, rtol=1e-5)
+
+
+def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path):
+    target_dir, _ = checkpoints("llama8")
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    tokenizer = generate.Tokenizer(target_dir)
+    text = tokenizer.encode(corpus(tmp_path / "corpus.txt", n_words=3000).read_text(), bos=False)
+    examples = [(text[i:i + 48], [1] * 48) for i in range(0, len(text) - 48, 48)]
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    cfg = train_draft.TrainConfig(steps=60, batch_size=8, seq_len=48, lr=3e-3, warmup=5, block_size=4, draft_layers=1,
+                                  anchors=8)
+    untrained, _, _ = train_draft.make_head("dflash", target, examples, cfg)
+    untrained.setup_rope(64)
+    trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind="dflash", log=lambda *_: None)
+    tokens, mask = next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    with torch.no_grad():
+        torch.manual_seed(0)
+        before, agree_before = train_draft.dflash_loss(untrained, target, tokens, mask, cfg)
+        torch.manual_seed(0)
+        after, agree_after = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
+    print(f"loss {before:.3f} -> {after:.3f}; top-1 {agree_before.tolist()} -> {agree_after.tolist()}")
+    assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
+
+
+def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_path, capsys):
+    target_dir, _ = checkpoints("llama8")
+    text, out = corpus(tmp_path / "corpus.txt"), tmp_path / "dflash"
+    argv = ["--checkpoint_path", str(target_dir / "model.pth"), "--data", str(text), "--out_dir", str(out),
+            "--head", "dflash", "--feature_layers", "2", "5", "7", "--draft_layers", "2", "--block_size", "5",
+            "--mask_token_id", "3", "--device", "cpu", "--batch_size", "4", "--seq_len", "32", "--anchors", "6",
+            "--save_every", "4", "--lr", "3e-3"]
+    train_draft.main(argv + ["--steps", "4"])
+    train_draft.main(argv + ["--steps", "12"])
+    printed = capsys.readouterr().out
+    assert "resuming at step 4" in printed and "top-1 agreement at block positions 1-4 " in printed
+    weights, config = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.1.mlp.down_proj.weight"} <= set(weights) and not any(k.startswith("model.") for k in weights)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 5
+    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 4, 6]}  # ids: layer outputs
+    assert weights["fc.weight"].shape == (64, 3 * 64)
+    convert(out)
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w3 w4 w5 w6",
+            "--max_new_tokens", "40"]
+    generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
+    generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
+    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
+    assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+    assert "tree 5 tokens, depth 3, top-k 1" in capsys.readouterr().out  # the chain of the head's own block
+    draft = load_draft(out / "draft.pth", load_target(target_dir / "model.pth", "cpu", "fp32", 64))
+    assert isinstance(draft, DFlashDraft) and draft.feature_layers == (2, 5, 7) and draft.mask_token_id == 3
+
+
+def test_errors(checkpoints, tmp_path):
+    target_dir, _ = checkpoints("llama8")
+    text = corpus(tmp_path / "corpus.txt", n_words=200)
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--data", str(text), "--device", "cpu",
+            "--steps", "1", "--batch_size", "2", "--seq_len", "16", "--out_dir", str(tmp_path / "h")]
+    dflash = base + ["--head", "dflash"]
+    expect_error(dflash + ["--feature_layers", "2", "8"], "a DFlash head reads the inputs of layers 1..7",
+                 main=train_draft.main)
+    expect_error(dflash + ["--mask_token_id", "96"], "--mask_token_id 96 is not below the target's vocabulary (96)",
+                 main=train_draft.main)
+    expect_error(dflash + ["--block_size", "1"], "block_size must be at least 2", main=train_draft.main)
+    expect_error(dflash + ["--draft_vocab_size", "32"], "a DFlash head scores the whole vocabulary", main=train_draft.main)
+    expect_error(base + ["--block_size", "8"], "--block_size is for DFlash heads (--head dflash)", main=train_draft.main)
