@@ -20,7 +20,7 @@ import tempfile
 import time
 from argparse import ArgumentTypeError
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from cli import PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
@@ -69,8 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path,
                    help="a converted target (model.pth) (default: the demo in demo/ when --model is not given)")
     p.add_argument("--draft_checkpoint_path", type=Path,
-                   help="its draft.pth, EAGLE-1/2 or EAGLE-3 (default: demo/head/draft.pth for the demo, "
-                        "else a random EAGLE-1/2 head of the target's shape)")
+                   help="its draft.pth, EAGLE-1/2, EAGLE-3 or DFlash (default: demo/head/draft.pth for the demo, "
+                        "else a random head of --random_head's kind and the target's shape)")
+    p.add_argument("--random_head", choices=["eagle", "dflash"], default="eagle",
+                   help="the random head when no draft.pth is given: EAGLE-1/2, or DFlash as published (5 layers, "
+                        "blocks of 16, features of 5 layers); its tau means nothing, its cycle's cost does")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
@@ -80,9 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
     p.add_argument("--depth", type=int_flag(1), default=None,
-                   help="draft tree expansion steps (default: the head's, as generate.py: 6; 7 for EAGLE-3 heads)")
-    p.add_argument("--tree_topk", type=int_flag(1), default=10, help="children per node and nodes kept per level")
-    p.add_argument("--total_tokens", type=int_flag(2), default=60, help="tokens verified per cycle, root included")
+                   help="draft tree expansion steps (default: the head's, as generate.py: 6; 7 for EAGLE-3 heads; "
+                        "a DFlash head's block size - 2)")
+    p.add_argument("--tree_topk", type=int_flag(1), default=None,
+                   help="children per node and nodes kept per level (default: 10; 1 for DFlash heads, a chain)")
+    p.add_argument("--total_tokens", type=int_flag(2), default=None,
+                   help="tokens verified per cycle, root included (default: 60, or all the nodes of a smaller tree)")
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
     p.add_argument("--side_tokens", type=int_flag(1), default=None,
                    help=f"tokens generated in the side-by-side run (default: {SIDE_TOKENS}; 60 for the demo, as "
@@ -132,7 +138,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
-from draft import DraftHead, EagleDraft, read_draft_vocab  # noqa: E402
+from draft import DFlashDraft, DraftHead, EagleDraft, dflash_layer_ids, read_draft_vocab  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
                     verify, weight_bytes, weights_format)
@@ -159,7 +165,23 @@ def random_module(module_cls, args, device, dtype, **kwargs):
     return module.eval()
 
 
-def random_models(shape: str, device, dtype, max_seq_length: int, group=None):
+def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_size: int = 16) -> DFlashDraft:
+    """A random DFlash head as the published ones are shaped: 5 Qwen3 layers of the target's width, blocks of 16,
+    the features of 5 target layers spread as DFlash spreads them. The target is set to return them."""
+    args = replace(target.args, n_layer=n_layers, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    ids = dflash_layer_ids(target.args.n_layer, n_layers)
+    draft = random_module(DFlashDraft, args, device, dtype, n_features=len(ids), block_size=block_size,
+                          mask_token_id=target.args.vocab_size - 1)
+    draft.feature_layers = tuple(k + 1 for k in ids)
+    target.set_feature_layers(draft.feature_layers)
+    return draft
+
+
+def random_head(kind: str, target: Transformer, device, dtype) -> DraftHead:
+    return random_dflash(target, device, dtype) if kind == "dflash" else random_module(EagleDraft, target.args, device, dtype)
+
+
+def random_models(shape: str, device, dtype, max_seq_length: int, group=None, head: str = "eagle"):
     """A random target of a named shape (under tensor parallel, this rank's shard of it) and a random head."""
     config = {"model_type": "llama", "max_position_embeddings": max(8192, max_seq_length), **SHAPES[shape]}
     args = ModelArgs.from_hf_config(config)
@@ -170,7 +192,7 @@ def random_models(shape: str, device, dtype, max_seq_length: int, group=None):
         local = tp.local_args(args, tp.dist.get_world_size(group))
         target = tp.joined(random_module(Transformer, local, device, dtype), args, group)
     target.setup_caches(1, max_seq_length)
-    draft = random_module(EagleDraft, target.args, device, dtype)  # a head of the target's own shape
+    draft = random_head(head, target, device, dtype)  # a head of the target's own shape
     draft.setup_caches(max_seq_length)
     return target, draft
 
@@ -314,7 +336,7 @@ def cache_size_lines(results: dict) -> list:
 
 
 def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
-    """Bytes a cycle must read at least: the target once, the draft layer + lm_head depth + 1 times, the KV."""
+    """Bytes a cycle must read at least: the target once, the draft head + lm_head once per draft pass, the KV."""
     args, elt = target.args, target.tok_embeddings.weight.element_size()  # the KV cache's dtype
     kv = 2 * args.n_layer * target.layers[0].attention.n_kv * args.head_dim * elt * ctx  # this rank's heads
     return {"plain_step": weight_bytes(target) + kv, "cycle": cycle_weight_bytes(target, draft, tree) + kv}
@@ -344,7 +366,8 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
                           "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}
     floor = cycle_bytes(target, draft, tree, int(ctx_len))
     whole = rows["whole cycle"]["ms"] / 1e3
-    return {"phases": rows, "context": int(ctx_len), "floor_plain_steps": floor["cycle"] / floor["plain_step"],
+    return {"phases": rows, "context": int(ctx_len), "draft_passes": draft.draft_passes(tree),
+            "floor_plain_steps": floor["cycle"] / floor["plain_step"],
             "floor_ms": floor["cycle"] / copy_bw * 1e3, "measured_over_floor": whole / (floor["cycle"] / copy_bw),
             "cycle_bytes_GB": floor["cycle"] / 1e9, "plain_step_bytes_GB": floor["plain_step"] / 1e9}
 
@@ -495,7 +518,8 @@ def tuned_tree(target, draft, flags_tree: TreeConfig, calibration: list, prompt,
     flags' tree (greedy: both must give the same tokens)."""
     device = str(target.output.weight.device)
     t0 = time.perf_counter()
-    chosen, measured = tune_tree(target, draft, calibration, TREE_GRID, CALIBRATION_TOKENS, log=print)
+    chosen, measured = tune_tree(target, draft, calibration, draft.tree_grid() or TREE_GRID, CALIBRATION_TOKENS,
+                                 log=print)
     chosen = tp.rank0_value(group, chosen)
     tuning_s = time.perf_counter() - t0
     prompt = prompt or torch.randint(0, min(target.args.vocab_size, 32000), (SIDE_PROMPT,)).tolist()
@@ -599,6 +623,11 @@ def speedup_base(rows: dict) -> str:
     return "transformers generate" if "transformers generate" in rows else "eaglet plain"
 
 
+def draft_passes_text(cycle: dict, tree: dict) -> str:
+    passes = cycle.get("draft_passes", tree["depth"] + 1)
+    return "once (one DFlash block)" if passes == 1 else f"depth + 1 = {passes} times"
+
+
 def kernels_cell(table: dict) -> str:
     return table["error"] if "error" in table else f"{table['per_call']:.0f} ({table['ms_per_call']:.3f} ms)"
 
@@ -629,8 +658,8 @@ def markdown(results: dict) -> str:
     lines += [f"| {name} | {r['ms']:.3f} | {r['plain_steps']:.2f} | {r['recompiles_after_warmup']} | "
               f"{kernels_cell(r['kernels'])} |" for name, r in cycle["phases"].items()]
     lines += ["", f"Bytes floor of a cycle at context {ctx}: {cycle['cycle_bytes_GB']:.4g} GB (the target's weights "
-              f"once; the head and the lm_head it scores with, {setup['draft_vocab']['tokens']} rows, depth + 1 = "
-              f"{tree['depth'] + 1} times; the KV) = {cycle['floor_plain_steps']:.2f} x a plain step's "
+              f"once; the head and the lm_head it scores with, {setup['draft_vocab']['tokens']} rows, "
+              f"{draft_passes_text(cycle, tree)}; the KV) = {cycle['floor_plain_steps']:.2f} x a plain step's "
               f"{cycle['plain_step_bytes_GB']:.4g} GB (weights + KV). Read at the copy bandwidth it takes "
               f"{cycle['floor_ms']:.4g} ms; the measured whole cycle, {cycle['phases']['whole cycle']['ms']:.3f} ms, "
               f"is {cycle['measured_over_floor']:.2f} x that.", "",
@@ -685,6 +714,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+def flags_tree(args, head) -> TreeConfig:
+    """The tree of --depth, --tree_topk and --total_tokens, each by default the head's (a class before loading)."""
+    tree = TreeConfig(args.depth or head.default_depth, args.tree_topk or head.default_topk, 2)
+    return replace(tree, total_tokens=args.total_tokens or min(TreeConfig.total_tokens, tree.max_total_tokens))
+
+
 def check_lengths(args, tree: TreeConfig):
     """The longest run, and the tree's scratch, within --max_seq_length."""
     prompt, scratch = max(SIDE_PROMPT + args.side_tokens, START_PROMPT), tree.scratch
@@ -728,12 +763,12 @@ def load_models(args, device: str, group=None, paths: tuple = ()):
         check_out(paths, args.overwrite)
     dtype = PRECISIONS[args.precision]
     if args.model:
-        target, draft = random_models(args.model, device, dtype, args.max_seq_length, group)
+        target, draft = random_models(args.model, device, dtype, args.max_seq_length, group, args.random_head)
     else:
         target = load_target(args.checkpoint_path, device, args.precision, args.max_seq_length, group)
         if args.draft_checkpoint_path:
             return target, load_draft(args.draft_checkpoint_path, target, args.draft_vocab)
-        draft = random_module(EagleDraft, target.args, device, dtype)
+        draft = random_head(args.random_head, target, device, dtype)
         draft.setup_caches(args.max_seq_length)
     if args.draft_vocab not in (None, "full"):  # a random head: only a file named by the flag
         draft.restrict_vocab(target, read_draft_vocab(args.draft_vocab, target.args.vocab_size))
@@ -741,7 +776,7 @@ def load_models(args, device: str, group=None, paths: tuple = ()):
 
 
 def head_name(args, draft) -> str:
-    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else "EAGLE-3"
+    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else "DFlash" if isinstance(draft, DFlashDraft) else "EAGLE-3"
     return f"{args.draft_checkpoint_path} ({kind})" if args.draft_checkpoint_path else \
         f"random weights of the target's shape ({kind}, tau means nothing)"
 
@@ -749,6 +784,8 @@ def head_name(args, draft) -> str:
 def draft_vocab_used(args, target, draft) -> dict:
     """The target tokens the head may propose (tau and the bytes floor follow them), and where they come from."""
     n = target.args.vocab_size
+    if isinstance(draft, DFlashDraft):
+        return {"tokens": n, "of": n, "source": "full", "text": f"full vocabulary ({n}): a DFlash head scores them all"}
     if not isinstance(draft, EagleDraft):
         return {"tokens": draft.vocab_size, "of": n, "source": "d2t",
                 "text": f"the EAGLE-3 head's own d2t of {draft.vocab_size} (of the target's {n} tokens)"}
@@ -797,20 +834,21 @@ def main(argv=None):
     if torchrun_rank():  # tensor parallel: rank 0 prints and writes for all
         sys.stdout = open(os.devnull, "w")
     try:
-        tree = TreeConfig(args.depth or DraftHead.default_depth, args.tree_topk, args.total_tokens)
+        tree = flags_tree(args, DraftHead)
         check_lengths(args, tree)  # before loading; again once the head's own depth is known
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         group = tp.start(device)
         torch.manual_seed(0)  # the same random weights and prompts on every rank
         target, draft = tp.agreed(group, load_models, args, device, group, paths)
-        tree = TreeConfig(args.depth or draft.default_depth, args.tree_topk, args.total_tokens)
+        tree = flags_tree(args, draft)
+        draft.check_tree(tree)
         check_lengths(args, tree)
         if tree.topk > draft.vocab_size:
             raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
         if args.tune_tree:  # refused now, not after the other measurements, if its grid cannot run here
             calibration, calibration_text = tp.agreed(group, calibration_prompts, args, target)
-            check_tune_fits([TreeConfig(*point) for point in TREE_GRID], calibration, CALIBRATION_TOKENS,
+            check_tune_fits([TreeConfig(*point) for point in draft.tree_grid() or TREE_GRID], calibration, CALIBRATION_TOKENS,
                             target.max_seq_length, draft.vocab_size)
         vocab, head = draft_vocab_used(args, target, draft), head_name(args, draft)
         print(f"head: {head}; draft vocabulary: {vocab['text']}", flush=True)

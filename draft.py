@@ -92,6 +92,10 @@ class DraftHead(nn.Module):
     def check_tree(self, tree):
         """Refuse a tree (decode.TreeConfig) the head cannot draft."""
 
+    def tree_grid(self) -> tuple:
+        """--tree auto's trees (depth, top-k, total_tokens) for this head; (): the default grid."""
+        return ()
+
     def draft_passes(self, tree) -> int:
         """Forwards of the head (each scoring with an lm_head) per cycle: the weights they read."""
         return tree.depth + 1
@@ -284,6 +288,13 @@ class DFlashDraft(DraftHead):
         if tree.depth + 2 > self.block_size:
             raise EagletError(f"a tree of depth {tree.depth} needs a block of {tree.depth + 2} tokens; this DFlash "
                               f"head was trained on blocks of {self.block_size} (depth at most {self.block_size - 2})")
+
+    def tree_grid(self) -> tuple:
+        """Chains of the whole block and of half of it, and trees of the block's depth (at most as wide as
+        their nodes allow)."""
+        depth, half = self.block_size - 2, max(1, (self.block_size - 2) // 2)
+        points = [(depth, 1, depth + 2), (half, 1, half + 2)] + [(depth, k, n) for k, n in ((3, 16), (4, 32), (10, 60))]
+        return tuple(dict.fromkeys((d, k, min(n, 1 + k + d * k * k)) for d, k, n in points))
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
         return target.output(h)

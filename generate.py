@@ -307,7 +307,7 @@ def configs(args, draft: Optional[DraftHead] = None):
     is made once the model is loaded)."""
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
     if args.tree == "auto":  # the grid's tree of the most scratch, for the cache; the tree itself is tuned later
-        return sampling, widest_tree()
+        return sampling, widest_tree(draft)
     head = draft or DraftHead
     tree = TreeConfig(args.depth or head.default_depth, args.tree_topk or head.default_topk, 2)  # checks them
     auto = args.total_tokens == "auto"

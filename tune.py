@@ -1,4 +1,4 @@
-"""The tree tuner. --tree auto: each tree of TREE_GRID measured on this device (tau from greedy decoding of the
+"""The tree tuner. --tree auto: each tree of TREE_GRID (a DFlash head: its own, shaped by its block) measured on this device (tau from greedy decoding of the
 calibration prompts, seconds per cycle from the cycle replayed), the most tokens/s = tau / cycle time kept, and
 the choice cached per target, head, device and format. --total_tokens auto: the largest verify that costs about
 what the smallest does.
@@ -260,9 +260,14 @@ def pick_tree(target: Transformer, draft: DraftHead, prompts: list, key: dict, c
 
 
 
-def widest_tree() -> TreeConfig:
+def tree_grid(draft: Optional[DraftHead]) -> tuple:
+    """--tree auto's trees for this head: its own (a DFlash head's, shaped by its block), else TREE_GRID."""
+    return (draft.tree_grid() if draft is not None else ()) or TREE_GRID
+
+
+def widest_tree(draft: Optional[DraftHead] = None) -> TreeConfig:
     """The grid's tree of the most scratch: the cache is sized for it before the tuning picks one."""
-    return max((TreeConfig(*point) for point in TREE_GRID), key=lambda t: t.scratch)
+    return max((TreeConfig(*point) for point in tree_grid(draft)), key=lambda t: t.scratch)
 
 
 def tuning_cache_size(args, model: Transformer, draft: DraftHead, encode: Callable, size: int, scratch: int) -> int:
@@ -271,7 +276,7 @@ def tuning_cache_size(args, model: Transformer, draft: DraftHead, encode: Callab
     calibration = encode(CALIBRATION_PROMPTS)
     need = max(map(len, calibration)) + CALIBRATION_TOKENS + scratch
     size = size if args.max_seq_length else max(size, min(need, model.args.max_position_embeddings))
-    check_tune_fits([TreeConfig(*point) for point in TREE_GRID], calibration, CALIBRATION_TOKENS, size,
+    check_tune_fits([TreeConfig(*point) for point in tree_grid(draft)], calibration, CALIBRATION_TOKENS, size,
                     draft.vocab_size)
     return size
 
@@ -285,8 +290,8 @@ def auto_tree(args, model: Transformer, draft: DraftHead, encode: Callable, grou
         draft.setup_caches(model.max_seq_length)
     prompts = encode(CALIBRATION_PROMPTS)
     key = tree_key(args.checkpoint_path, args.draft_checkpoint_path, model, draft, args.device, args.precision,
-                   prompts, TREE_GRID, CALIBRATION_TOKENS)
-    tree = pick_tree(model, draft, prompts, key, tree_cache_file(), TREE_GRID, CALIBRATION_TOKENS, group)
+                   prompts, tree_grid(draft), CALIBRATION_TOKENS)
+    tree = pick_tree(model, draft, prompts, key, tree_cache_file(), tree_grid(draft), CALIBRATION_TOKENS, group)
     if rows > 1:
         model.setup_caches(rows, model.max_seq_length)
         draft.setup_caches(model.max_seq_length, rows)

@@ -6,7 +6,8 @@ first format of the first shape), plain vs EAGLE-2 end to end on the same weight
 demo's, through each format's rounding), the weight bytes a token costs, and the tree size
 --total_tokens auto picks for that format. --eagle3 adds the demo's EAGLE-3 head (demo/head3 inflated beside
 the EAGLE-2 head, its draft vocabulary padded to 32000 on LLaMA-3-8B's shape) on the same target weights: its
-cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the demo head3's tau.
+cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the demo head3's tau. --dflash adds
+a random DFlash head of the published shape (5 layers, blocks of 16): its cycle phase by phase, chain and tree.
 
     python scripts/gpu_check.py --out gpu_results --quick     # a first, short call: environment and checks
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
@@ -14,6 +15,7 @@ cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the
     python scripts/gpu_check.py --out gk --quick --skip_checks --linear_kernels --int4_13b
     python scripts/gpu_check.py --out gt --quick --skip_checks --tp1
     python scripts/gpu_check.py --out g3 --skip_checks --shapes llama3-8b --formats bf16 --eagle3
+    python scripts/gpu_check.py --out gd --skip_checks --shapes llama3-8b --formats bf16 --dflash
 
 --tp1 runs the demo compiled under torchrun at world size 1 (the NCCL path of tensor parallelism, its
 all-reduces inside the CUDA-graphed cycle) and in one process, and compares tokens, accepted lengths and
@@ -302,6 +304,20 @@ def measure_eagle3(source: Transformer, draft3, fmt: str, plain_step_s: float, c
     return out
 
 
+def measure_dflash(source: Transformer, fmt: str, plain_step_s: float, copy_bw: float, args) -> dict:
+    """A random DFlash head shaped as the published ones (5 layers, blocks of 16, 5 feature layers) on the same
+    target weights: its cycle phase by phase as a chain of the whole block and as a 32-token tree at the block's
+    depth, beside EAGLE-2's (random weights: tau means nothing; the cycle's cost is what is measured)."""
+    target = format_ready(source, fmt, args)
+    device = target.output.weight.device
+    draft = bench.random_dflash(target, device, target.tok_embeddings.weight.dtype)
+    draft.setup_caches(args.max_seq_length)
+    out = {"feature_layers": list(draft.feature_layers), "block_size": draft.block_size, "layers": draft.args.n_layer}
+    for name, tree in (("chain", TreeConfig(14, 1, 16)), ("tree", TreeConfig(14, 4, 32))):
+        out[name] = bench.bench_cycle(target, draft, tree, True, args.repeats, plain_step_s, copy_bw)
+    return out
+
+
 def format_row(result: dict, eagle3: dict) -> dict:
     """One format's line of the side-by-side table (or why it has none); eagle3: its EAGLE-3 section's."""
     if "plain" not in result:
@@ -331,7 +347,8 @@ def format_row(result: dict, eagle3: dict) -> dict:
 def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, prompt: list, args, first: bool) -> dict:
     """The inflated demo in one shape, each of --formats in its own section (written as it is measured,
     models freed between them); returns the formats side by side. The bf16 weights stay: the source of the
-    quantized ones. --eagle3: the demo's EAGLE-3 head too, inflated for the same target."""
+    quantized ones. --eagle3: the demo's EAGLE-3 head too, inflated for the same target; --dflash: a random DFlash
+    head's cycle (the first format)."""
     source, draft, _, _ = inflate(DEMO_DIR, shape, device, dtype)
     draft.setup_caches(args.max_seq_length)
     draft3 = inflate_head3(DEMO_DIR, source)[0] if args.eagle3 else None
@@ -349,6 +366,10 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
                                     result["plain"]["step_ms"] / 1e3, copy_bw, prompt, args, first and i == 0)
             release_memory(device)
         rows[fmt] = format_row(result, eagle3)
+        if args.dflash and i == 0 and "plain" in result:
+            report.section(f"{name} {fmt} DFlash cycle (random head, published shape)", measure_dflash, source, fmt,
+                           result["plain"]["step_ms"] / 1e3, copy_bw, args)
+            release_memory(device)
     return rows
 
 
@@ -543,6 +564,9 @@ def parse_args(argv=None):
     p.add_argument("--eagle3", action="store_true",
                    help="also the demo's EAGLE-3 head on each shape and format: its cycle phase by phase (where "
                         "EAGLE-2's is measured) and end to end against plain, on the same target weights")
+    p.add_argument("--dflash", action="store_true",
+                   help="also a random DFlash head shaped as the published ones (5 layers, blocks of 16) on each "
+                        "shape's first format: its cycle phase by phase, as a chain of 16 and a 32-token tree")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -601,7 +625,7 @@ def main(argv=None):
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
                                "flex_attention": attention.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
-                               "formats": args.formats, "eagle3": args.eagle3}
+                               "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash}
     report.section("environment", environment, device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
     if not (args.plain_only or args.skip_checks):

@@ -1,10 +1,11 @@
 """Build the demo from nothing but this machine: a sentencepiece tokenizer, a small LLaMA-architecture
-code model, its EAGLE-1/2 head and its EAGLE-3 head, all trained by eaglet's own code on the running
+code model, its EAGLE-1/2 head, its EAGLE-3 head and its DFlash head, all trained by eaglet's own code on the running
 interpreter's standard-library sources (a few modules kept out for evaluation).
 
     python scripts/make_demo.py --out_dir my_demo     # writes my_demo/{target,head,head3}, my_demo/RECIPE.json
     python scripts/make_demo.py --out_dir demo --overwrite   # rebuilds the shipped demo itself
     python scripts/make_demo.py --out_dir demo --only_head3  # retrains only the EAGLE-3 head, for the target there
+    python scripts/make_demo.py --out_dir demo --only_dflash # retrains only the DFlash head, for the target there
 
 generate.py uses demo/ when no checkpoint is given.
 """
@@ -15,7 +16,7 @@ import shutil
 import sys
 import sysconfig
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,10 @@ TARGET_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "
 # middle and top of the 4-layer target, as the default 2, L//2, L-3 are of a 32-layer one (here they would be 2, 2, 1).
 HEAD3_FEATURE_LAYERS = (1, 2, 4)
 HEAD3_STEPS, HEAD3_SEQ_LEN = 1000, 128  # each step unrolled 7 times: about 6x an EAGLE-1/2 step's compute per token
+# The DFlash head: two layers over the outputs of the target's first three layers (inputs of layers 1-3; ids
+# 0-2), blocks of 8 (a 4-layer target's default ids would repeat layer 1).
+DFLASH = {"block_size": 8, "draft_layers": 2, "anchors": 32}
+DFLASH_FEATURE_LAYERS, DFLASH_STEPS = (1, 2, 3), 1000
 
 
 def stdlib_files(held_out: bool) -> list:
@@ -188,24 +193,47 @@ def train_head3(args, target_dir: Path, head3_dir: Path, files: list) -> dict:
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     shutil.rmtree(head3_dir, ignore_errors=True)
     train(target, examples, head3_dir, cfg, resume=False, kind="eagle3", feature_layers=HEAD3_FEATURE_LAYERS)
-    convert(head3_dir)
-    weights = torch.load(head3_dir / "draft.pth", weights_only=True)
-    torch.save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
-               head3_dir / "draft.pth")
-    config = json.loads((head3_dir / "config.json").read_text())
-    (head3_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}, indent=2))
-    for name in ("train_state.pt", "model.safetensors"):  # demo/ stays small; draft.pth is all generate.py reads
-        (head3_dir / name).unlink(missing_ok=True)
+    ship_bf16(head3_dir)
     return {"train": asdict(cfg), "feature_layers": HEAD3_FEATURE_LAYERS, "draft_vocab_size": TARGET_CONFIG["vocab_size"],
             "threads": torch.get_num_threads(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def train_dflash(args, target_dir: Path, dflash_dir: Path, files: list) -> dict:
+    """The DFlash head, trained on the same sources; shipped like the EAGLE-3 head."""
+    t0 = time.perf_counter()
+    examples = code_examples(files, Tokenizer(target_dir), args.seq_len)
+    cfg = TrainConfig(steps=args.dflash_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3, warmup=50,
+                      save_every=10 ** 9, **DFLASH)
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    shutil.rmtree(dflash_dir, ignore_errors=True)
+    train(target, examples, dflash_dir, cfg, resume=False, kind="dflash", feature_layers=DFLASH_FEATURE_LAYERS)
+    ship_bf16(dflash_dir)
+    return {"train": asdict(cfg), "feature_layers": DFLASH_FEATURE_LAYERS, "threads": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def ship_bf16(head_dir: Path):
+    """Convert a trained head, keep config.json + draft.pth in bf16 only: demo/ stays small, and draft.pth is
+    all generate.py reads."""
+    convert(head_dir)
+    weights = torch.load(head_dir / "draft.pth", weights_only=True)
+    torch.save({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+               head_dir / "draft.pth")
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}, indent=2))
+    for name in ("train_state.pt", "model.safetensors"):
+        (head_dir / name).unlink(missing_ok=True)
+
+
 def main(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/, head3/ and RECIPE.json go")
+    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/, head3/, dflash/ and RECIPE.json go")
     p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
     p.add_argument("--only_head3", action="store_true",
-                   help="train only the EAGLE-3 head for the target already in out_dir, and measure both heads")
+                   help="train only the EAGLE-3 head for the target already in out_dir, and measure the heads")
+    p.add_argument("--only_dflash", action="store_true",
+                   help="train only the DFlash head for the target already in out_dir, and measure the heads")
+    p.add_argument("--dflash_steps", type=int_flag(1), default=DFLASH_STEPS, help="DFlash head training steps (as shipped)")
     p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
     p.add_argument("--head_steps", type=int_flag(1), default=1000, help="EAGLE-1/2 head training steps (as shipped)")
     p.add_argument("--head3_steps", type=int_flag(1), default=HEAD3_STEPS, help="EAGLE-3 head training steps (as shipped)")
@@ -216,11 +244,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
+        dflash_dir = args.out_dir / "dflash"
         recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
         files = stdlib_files(held_out=False)
-        if args.only_head3:
+        only = "--only_head3" if args.only_head3 else "--only_dflash" if args.only_dflash else None
+        if only:
             if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
-                p.error(f"--only_head3 needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
+                p.error(f"{only} needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
             recipe = json.loads(recipe_path.read_text())
         else:
             if (target_dir / "model.pth").exists() and not args.overwrite:
@@ -229,15 +259,23 @@ def main(argv=None):
             recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
                       "python": platform.python_version()}
             build_target_and_head(args, target_dir, head_dir, files, recipe)
-        recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
-        print(f"head3: {recipe['head3']['seconds']} s")
+        if not args.only_dflash:
+            recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
+            print(f"head3: {recipe['head3']['seconds']} s")
+        if not args.only_head3:
+            recipe["dflash"] = train_dflash(args, target_dir, dflash_dir, files)
+            print(f"dflash: {recipe['dflash']['seconds']} s")
 
         print("measuring tau on the held-out modules", flush=True)
         depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
+        chain = TreeConfig(DFLASH["block_size"] - 2, 1, DFLASH["block_size"])  # DFlash's own shape, its default
         recipe["held_out"] = {"modules": HELD_OUT, "tree": asdict(TreeConfig()), "head": measure_tau(target_dir, head_dir),
                               "head3": measure_tau(target_dir, head3_dir),
                               "head3_depth7": measure_tau(target_dir, head3_dir, tree=depth7)}
-        if not args.only_head3:
+        if (dflash_dir / "draft.pth").is_file():
+            recipe["held_out"] |= {"dflash_chain": measure_tau(target_dir, dflash_dir, tree=chain),
+                                   "dflash_tree": measure_tau(target_dir, dflash_dir, tree=replace(chain, topk=10, total_tokens=60))}
+        if not only:
             recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
         recipe_path.write_text(json.dumps(recipe, indent=2))
         print(json.dumps(recipe["held_out"], indent=2))

@@ -197,7 +197,7 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
         monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
     formats = ["bf16", "int8", "int4.g32"]
     gpu_check.main(["--skip_checks", "--device", "cpu", "--shapes", "small-test", "--formats", ",".join(formats),
-                    "--linear_kernels", "--int4_13b", "--out", str(tmp_path / "g"), "--repeats", "1",
+                    "--linear_kernels", "--int4_13b", "--dflash", "--out", str(tmp_path / "g"), "--repeats", "1",
                     "--side_tokens", "12", "--depth", "2", "--tree_topk", "3", "--total_tokens", "8",
                     "--max_seq_length", "256"])
     results = json.loads((tmp_path / "g" / "results.json").read_text())
@@ -212,6 +212,10 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
         assert row["total_tokens_auto"] == 16 and 0 < row["eagle2_weight_GB_per_token"] < row["weights_GB"] * 2
     assert "cycle" in results["small-test bf16 (inflated demo)"]  # the phase table: first format of the first shape
     assert "cycle" not in results["small-test int8 (inflated demo)"]
+    dflash = results["small-test bf16 DFlash cycle (random head, published shape)"]  # the first format only
+    assert dflash["block_size"] == 16 and dflash["layers"] == 5 and len(dflash["feature_layers"]) == 5
+    assert dflash["chain"]["draft_passes"] == 1 and dflash["tree"]["phases"]["whole cycle"]["ms"] > 0
+    assert not [k for k in results if "int8 DFlash" in k]
     kernels = results["linear kernels by rows"]
     assert kernels["rows"] == [1, 16, 17]
     (shape_rows,) = [v for k, v in kernels.items() if k.startswith("64x128")]
