@@ -306,3 +306,24 @@ def test_the_cli_refuses_a_tree_deeper_than_the_block_and_a_draft_vocab(target8,
                                           "on blocks of 4 (depth at most 2)")
     (tmp_path / "vocab.json").write_text(json.dumps({"token_ids": [4, 5, 6]}))
     expect_error(base + ["--draft_vocab", str(tmp_path / "vocab.json")], "a DFlash head scores the target's whole vocabulary")
+
+
+def test_tree_auto_measures_the_head_s_own_grid(target8, tmp_path, monkeypatch, capsys):
+    """--tree auto with a DFlash head tunes over trees its block can draft: chains of the block and of half of
+    it, and trees at the block's depth."""
+    target_dir, _ = target8
+    folder, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "cache"))
+    generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
+                   str(folder / "draft.pth"), "--prompt", "w1 w2", "--max_new_tokens", "8", "--tree", "auto"])
+    assert "trees (depth/top-k/tokens 2/1/4, 1/1/3, 2/3/16, 2/4/32, 2/10/60)" in capsys.readouterr().out
+
+
+def test_bench_times_a_random_dflash_head_of_the_published_shape(tmp_path):
+    import bench
+    bench.main(["--model", "tiny", "--random_head", "dflash", "--device", "cpu", "--repeats", "1", "--side_tokens", "8",
+                "--max_seq_length", "512", "--out", str(tmp_path / "b")])
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert results["setup"]["tree"] == {"depth": 14, "topk": 1, "total_tokens": 16}  # the chain of its block of 16
+    assert results["cycle"]["draft_passes"] == 1 and "DFlash" in results["setup"]["head"]
+    assert results["side_by_side"]["eaglet EAGLE-2"]["same_tokens_as_plain"]
