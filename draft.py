@@ -1,4 +1,4 @@
-"""Draft heads (EAGLE-1/2 and EAGLE-3) and the EAGLE-2 dynamic draft tree.
+"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash) and the draft trees: EAGLE-2's dynamic tree, and a DFlash block's.
 
 EAGLE-1/2: one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{t+1}), f_t)), where f_t is
 the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head and
@@ -9,6 +9,11 @@ whose attention reads cat(norm(embed(x_{t+1})), norm(x)); its own norm and lm_he
 vocabulary, mapped to target ids by d2t. During tree expansion a node's input x is its parent's output.
 Published EAGLE-3 heads come in EAGLE's and SpecForge's flat layout or in speculators' nested one (head_config),
 some with flags that change the math (Eagle3Flags).
+
+DFlash: a block [last token, mask x (B-1)] drafted in one forward of a few non-causal Qwen3 layers whose keys and
+values also come from fc(the target's hidden states of several layers); B-1 draft distributions at once.
+
+Every head is a DraftHead: the cycle calls its expand() and catch_up(), so it has no branch per head kind.
 
 Imports model.py (the layers it is built of), attention.py and quantize.py (a quantized head's Linears, an int8
 lm_head's rows); the cycle in decode.py imports this file.

@@ -391,7 +391,7 @@ def test_eagle3_head_reports_its_own_d2t(tmp_path):
 def test_random_head_takes_a_draft_vocab_file(tmp_path):
     (tmp_path / "v.json").write_text(json.dumps({"token_ids": list(range(100))}))
     args = SimpleNamespace(model="tiny", precision="fp32", max_seq_length=64, draft_vocab=str(tmp_path / "v.json"),
-                           draft_checkpoint_path=None)
+                           draft_checkpoint_path=None, random_head="eagle")
     target, draft = bench.load_models(args, "cpu")
     assert draft.vocab_size == 100 and draft.lm_head_module(target).weight.shape[0] == 100
     assert bench.draft_vocab_used(args, target, draft)["text"] == f"100 of 1024 tokens from {tmp_path / 'v.json'}"
