@@ -138,7 +138,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
-from draft import DFlashDraft, DraftHead, EagleDraft, dflash_layer_ids, read_draft_vocab  # noqa: E402
+from draft import DFlashDraft, DraftHead, EagleDraft  # noqa: E402
+from head_formats import dflash_layer_ids, read_draft_vocab  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
                     verify, weight_bytes, weights_format)

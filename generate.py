@@ -178,7 +178,8 @@ from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa:
 from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
-from draft import DraftHead, Eagle3Draft, EagleDraft, head_config, load_head, read_draft_vocab  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
+from head_formats import head_config, load_head, read_draft_vocab  # noqa: E402
 from model import EagletError, Transformer, read_config  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402

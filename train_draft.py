@@ -123,8 +123,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from draft import (DFlashDraft, DraftHead, Eagle3Draft, EagleDraft, dflash_layer_ids, eagle3_feature_layers,  # noqa: E402
-                   head_args, is_dflash_config)
+from draft import DFlashDraft, DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
+from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
 from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
 from quantize import Int8Linear  # noqa: E402

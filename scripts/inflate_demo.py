@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draft import Eagle3Draft, Eagle3Flags, EagleDraft, eagle3_feature_layers, load_head  # noqa: E402
+from draft import Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
+from head_formats import eagle3_feature_layers, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
 from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402

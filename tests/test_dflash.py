@@ -13,7 +13,8 @@ import generate
 from conftest import STAT_SAMPLES, check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
-from draft import DFlashDraft, block_tree, dflash_layer_ids
+from draft import DFlashDraft, block_tree
+from head_formats import dflash_layer_ids
 from generate import load_draft, load_target
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96  # GQA, head_dim set apart from hidden / heads

@@ -413,7 +413,7 @@ HEAD_FOLDERS = {  # id: (head weights and config.json, what the one line of conv
 
 @pytest.mark.parametrize("case", list(HEAD_FOLDERS))
 def test_head_folder_is_refused_and_nothing_written(tmp_path, case):
-    """draft.head_kind and convert_hf_checkpoint.convert_head / convert_eagle3_head."""
+    """head_formats.head_kind and convert_hf_checkpoint.convert_head / convert_eagle3_head."""
     make, match = HEAD_FOLDERS[case]
     write_eagle_head(tmp_path / "head", *make())
     expect_error(["--checkpoint_dir", str(tmp_path / "head")], match, main=convert_hf_checkpoint.main)
@@ -439,7 +439,7 @@ EAGLE3_AT_LOAD = {  # id: (the head, an edit of its folder after conversion, wha
 
 @pytest.mark.parametrize("case", list(EAGLE3_AT_LOAD))
 def test_eagle3_head_is_checked_at_load(checkpoints, tmp_path, case):
-    """draft.eagle3_from_state_dict: what conversion cannot see (the target), or a draft.pth changed since."""
+    """head_formats.eagle3_from_state_dict: what conversion cannot see (the target), or a draft.pth changed since."""
     make, edit, match = EAGLE3_AT_LOAD[case]
     target, _ = checkpoints("llama8")
     write_eagle_head(tmp_path / "head", *make())

@@ -27,8 +27,9 @@ import generate
 from conftest import expect_error, head_config, random_head_weights, write_eagle_head, write_tokenizer
 from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
-from draft import Eagle3Draft, eagle3_feature_layers
-from draft import head_config as flat_head_config
+from draft import Eagle3Draft
+from head_formats import eagle3_feature_layers
+from head_formats import head_config as flat_head_config
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
 from attention import causal_mask
 from model import EagletError
