@@ -328,3 +328,30 @@ def test_bench_times_a_random_dflash_head_of_the_published_shape(tmp_path):
     assert results["setup"]["tree"] == {"depth": 14, "topk": 1, "total_tokens": 16}  # the chain of its block of 16
     assert results["cycle"]["draft_passes"] == 1 and "DFlash" in results["setup"]["head"]
     assert results["side_by_side"]["eaglet EAGLE-2"]["same_tokens_as_plain"]
+
+
+def test_greedy_equals_plain_on_an_int8_target_and_running_ahead(target8, tmp_path):
+    """The exactness of any head, here a DFlash one with acceptance injected: on an int8 target (against plain
+    decoding of the same int8 target), and with call k + 1 queued before call k's tokens are read."""
+    import shutil
+    import quantize
+    target_dir = shutil.copytree(target8[0], tmp_path / "target")  # the int8 file is written beside it
+    folder, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
+    quantize.main(["--checkpoint_path", str(target_dir / "model.pth"), "--mode", "int8"])
+    for path, ahead in ((quantize.output_path(target_dir / "model.pth", "int8", 128), False),
+                        (target_dir / "model.pth", True)):
+        model = load_target(path, "cpu", "fp32", 128)
+        draft = load_draft(folder / "draft.pth", model)
+        for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+            plain = generate.generate(model, prompt, 24, SamplingConfig())
+            agreeing(draft, prompt + plain.tokens, seed=len(prompt))
+            spec = generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10),
+                                     run_ahead=ahead)
+            draft.block_logits, draft.topk = DFlashDraft.block_logits.__get__(draft), DFlashDraft.topk.__get__(draft)
+            assert spec.tokens == plain.tokens and max(spec.accept_lengths) >= 2
+
+
+def test_the_old_import_path_of_the_head_readers_still_works():
+    import draft
+    import head_formats
+    assert draft.load_head is head_formats.load_head and draft.head_config is head_formats.head_config
