@@ -131,8 +131,8 @@ def held_out_prompts(tokenizer: Tokenizer, n: int, prompt_len: int = 48) -> list
 
 def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_tokens: int = 64,
                 tree: TreeConfig = TreeConfig()) -> dict:
-    """tau on held-out code (by default at 60/6/10 for every head), greedy and at temperature 1; greedy
-    checked against plain."""
+    """tau on held-out code (by default at 60/6/10 for every head), greedy and at temperature 1, and the share of
+    cycles that accepted a draft at each depth; greedy checked against plain."""
     tokenizer = Tokenizer(target_dir)
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 48 + 1 + max_new_tokens + tree.scratch)
     draft = load_draft(head_dir / "draft.pth", model)
@@ -145,7 +145,9 @@ def measure_tau(target_dir: Path, head_dir: Path, n_prompts: int = 40, max_new_t
             lengths += result.accept_lengths
             if sampling.temperature == 0:
                 mismatches += result.tokens != generate(model, prompt, max_new_tokens, sampling).tokens
-        out[name] = {"tau": round(sum(lengths) / len(lengths), 3), "cycles": len(lengths),
+        # acceptance by position: the share of cycles whose draft at depth k was accepted (k drafts or more)
+        at_least = [round(sum(n - 1 >= k for n in lengths) / len(lengths), 3) for k in range(1, tree.levels)]
+        out[name] = {"tau": round(sum(lengths) / len(lengths), 3), "cycles": len(lengths), "accepted_by_depth": at_least,
                      "prompts": n_prompts, "greedy_mismatches": mismatches,
                      "seconds": round(time.perf_counter() - t0, 1)}
     return out

@@ -62,7 +62,8 @@ def cases(targets) -> list:
             dict(target=str(targets["demo_int8"]), head=head, prompts=code[:2], max_new_tokens=30),
             dict(target=str(targets["demo_int4"]), head=None, prompts=code[:2], max_new_tokens=30),
             dict(target=str(targets["demo_int4"]), head=head3, prompts=code[:2], max_new_tokens=30),
-            dict(target=demo, head=head, prompts=code, max_new_tokens=40, batch=True)] + \
+            dict(target=demo, head=head, prompts=code, max_new_tokens=40, batch=True),
+            dict(target=demo, head=str(DEMO / "dflash"), prompts=code, max_new_tokens=40)] + \
         [dict(target=str(targets[kind]), head=None, prompts=small, max_new_tokens=16)
          for kind in ("llama_bias", "qwen2", "qwen3")] + \
         [dict(target=demo, head=None, prompts=code[:1], max_new_tokens=20, perturb="lm_head"),
@@ -87,6 +88,8 @@ def test_tensor_parallel_equals_one_process(targets, tmp_path):
         assert sum(emitted) / len(emitted) > 2  # the heads' trees were accepted deep: the cycle really ran
     assert [r["tokens"] for r in sharded[6]] == [r["tokens"] for r in sharded[5]]  # int4: speculative == plain
     assert sharded[7] == eagle2  # the prompts decoded together under tensor parallel: each as alone
+    assert [r["tokens"] for r in sharded[8]] == [r["tokens"] for r in plain]  # a DFlash head (replicated), its block's tree
+    assert max(n for r in sharded[8] for n in r["accept_lengths"]) > 1
     assert sharded[3][0]["tokens"] != plain[0]["tokens"]  # the sampled case sampled
 
 
