@@ -250,7 +250,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
         draft_vocab = beside
     if draft_vocab is not None and str(draft_vocab) != "full":
         if not isinstance(draft, EagleDraft):
-            raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {draft_kind(draft)}")
+            raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {why_no_draft_vocab(draft)}")
         draft.restrict_vocab(target, read_draft_vocab(draft_vocab, target.args.vocab_size))
         if log:
             log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft_vocab}")
@@ -259,7 +259,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
     return draft
 
 
-def draft_kind(draft: DraftHead) -> str:
+def why_no_draft_vocab(draft: DraftHead) -> str:
     return "an EAGLE-3 head has its own draft vocabulary (d2t)" if isinstance(draft, Eagle3Draft) else \
         "a DFlash head scores the target's whole vocabulary"
 

@@ -198,8 +198,8 @@ def test_the_default_layers_are_read_when_the_config_names_none(target8, tmp_pat
     assert load_draft(folder / "draft.pth", model).feature_layers == (2, 6)  # ids [1, L - 3 = 5]: layer outputs
 
 
-@pytest.mark.parametrize("tree", [TreeConfig(2, 1, 4), pytest.param(TreeConfig(2, 3, 10), marks=pytest.mark.slow)],
-                         ids=["chain", "tree"])
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [TreeConfig(2, 1, 4), TreeConfig(2, 3, 10)], ids=["chain", "tree"])
 def test_compiled_cycle_decodes_as_eager_in_one_graph(target8, tmp_path, tree):
     target_dir, _ = target8
     folder, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
@@ -309,6 +309,7 @@ def test_the_cli_refuses_a_tree_deeper_than_the_block_and_a_draft_vocab(target8,
     expect_error(base + ["--draft_vocab", str(tmp_path / "vocab.json")], "a DFlash head scores the target's whole vocabulary")
 
 
+@pytest.mark.slow
 def test_tree_auto_measures_the_head_s_own_grid(target8, tmp_path, monkeypatch, capsys):
     """--tree auto with a DFlash head tunes over trees its block can draft: chains of the block and of half of
     it, and trees at the block's depth."""
@@ -320,6 +321,7 @@ def test_tree_auto_measures_the_head_s_own_grid(target8, tmp_path, monkeypatch, 
     assert "trees (depth/top-k/tokens 2/1/4, 1/1/3, 2/3/16, 2/4/32, 2/10/60)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_times_a_random_dflash_head_of_the_published_shape(tmp_path):
     import bench
     bench.main(["--model", "tiny", "--random_head", "dflash", "--device", "cpu", "--repeats", "1", "--side_tokens", "8",
