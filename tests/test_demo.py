@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import ROOT, read_generation
-from generate import SamplingConfig, generate, load_draft, load_target
+from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target
 from tokenizer import Tokenizer
 
 DEMO = ROOT / "demo"
@@ -31,17 +31,18 @@ def demo():
     return model, prompts  # each test loads its head: load_draft sets which features the target returns
 
 
-@pytest.mark.parametrize("head", ["head", "head3"])
-def test_demo_greedy_is_lossless_and_tau_stays_above_the_floor(demo, head):
+@pytest.mark.parametrize("head, tree, recorded_as", [("head", TreeConfig(), "head"), ("head3", TreeConfig(), "head3"),
+                                                     ("dflash", TreeConfig(6, 1, 8), "dflash_chain")])
+def test_demo_greedy_is_lossless_and_tau_stays_above_the_floor(demo, head, tree, recorded_as):
     model, prompts = demo
     draft = load_draft(DEMO / head / "draft.pth", model)
     lengths = []
     for prompt in prompts:
-        spec = generate(model, prompt, 64, SamplingConfig(), draft=draft)
+        spec = generate(model, prompt, 64, SamplingConfig(), draft=draft, tree=tree)
         assert spec.tokens == generate(model, prompt, 64, SamplingConfig()).tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
-    recorded = json.loads((DEMO / "RECIPE.json").read_text())["held_out"][head]["greedy"]["tau"]
+    recorded = json.loads((DEMO / "RECIPE.json").read_text())["held_out"][recorded_as]["greedy"]["tau"]
     print(f"demo/{head} greedy tau on held-out code: {tau:.2f} (recorded at build time over 40 prompts: {recorded})")
     assert tau >= TAU_FLOOR[head]
 
