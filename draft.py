@@ -227,6 +227,8 @@ class DFlashDraft(DraftHead):
     lm_head turn block positions 1.. into one draft distribution each. The block's own K/V go to scratch slots
     after the context and are overwritten by the next catch-up. The head has no embedding or lm_head."""
 
+    default_topk = 1  # the chain, as DFlash's authors decode
+
     def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int):
         super().__init__(args)
         self.fc = nn.Linear(n_features * args.dim, args.dim, bias=False)
@@ -234,8 +236,6 @@ class DFlashDraft(DraftHead):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.block_size, self.mask_token_id = block_size, mask_token_id
-
-    default_topk = 1  # the chain, as DFlash's authors decode
 
     @property
     def default_depth(self) -> int:
