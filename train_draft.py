@@ -656,6 +656,18 @@ def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anch
     return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, 1:]
 
 
+def dflash_labels(picks, mask, anchors, real, size: int):
+    """For block position k = 1..size-1 of each anchor a: the target's pick for position a + k (picks[t]: its next
+    token after t, so picks[a + k - 1]) [B, A, size - 1], and whether it counts (inside the sequence, a real
+    anchor, a position the loss counts)."""
+    seq = picks.shape[1]
+    where = anchors[..., None] + torch.arange(size - 1, device=picks.device)  # the pick block position k + 1 predicts
+    inside = (where + 1 < seq) & real[..., None]
+    where = where.clamp(max=seq - 2)
+    want = picks.gather(1, where.flatten(1)).view_as(where)
+    return want, inside & (mask.gather(1, (where + 1).flatten(1)).view_as(where) > 0)
+
+
 def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: TrainConfig):
     """Cross-entropy of each block position k = 1..size-1 against the target's own pick for position a + k (its
     argmax after a + k - 1), weighted exp(-(k - 1) / gamma): the early positions decide how much of a block is
@@ -667,11 +679,7 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
         picks = logits.argmax(-1)  # picks[t]: the target's next token after position t
     anchors, real = dflash_anchors(mask, cfg.anchors)
     h = dflash_blocks(head, target, tokens, features, anchors)
-    where = anchors[..., None] + torch.arange(size - 1, device=tokens.device)  # the pick that block position k + 1 predicts
-    inside = (where + 1 < seq) & real[..., None]
-    where = where.clamp(max=seq - 2)
-    want = picks.gather(1, where.flatten(1)).view_as(where)
-    counts = inside & (mask.gather(1, (where + 1).flatten(1)).view_as(where) > 0)
+    want, counts = dflash_labels(picks, mask, anchors, real, size)
     gamma = cfg.gamma or (7.0 if size >= 16 else size / 2)
     weight = torch.exp(-torch.arange(size - 1, device=tokens.device) / gamma) * counts
     head_logits = target.output(h).float()

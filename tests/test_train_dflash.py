@@ -55,6 +55,15 @@ def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
                 torch.testing.assert_close(trained[row, j], decoded, atol=1e-5, rtol=1e-5)
 
 
+def test_block_position_k_learns_the_target_s_pick_for_anchor_plus_k():
+    picks = torch.arange(20)[None] * 10  # picks[t]: the target's next token after t, here 10 t
+    mask = torch.ones(1, 20)
+    mask[0, 8] = 0  # a position the loss does not count
+    want, counts = train_draft.dflash_labels(picks, mask, torch.tensor([[0, 5, 17]]), torch.tensor([[True, True, False]]), 4)
+    assert want[0].tolist() == [[0, 10, 20], [50, 60, 70], [170, 180, 180]]  # the last clamped: past the end
+    assert counts[0].tolist() == [[True, True, True], [True, True, False], [False, False, False]]
+
+
 def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path):
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
