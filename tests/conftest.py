@@ -333,6 +333,16 @@ def read_generation(path: Path) -> dict:
     return {"prompt_tokens": written["prompt_tokens"], **written["samples"][0]}
 
 
+def cli_plain_and_speculative(target_dir: Path, head_path: Path, tmp_path: Path) -> tuple:
+    """generate.py on the prompt "w3 w4 w5 w6" (40 tokens), without and with the head: their --json_out records."""
+    import generate
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w3 w4 w5 w6",
+            "--max_new_tokens", "40"]
+    generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
+    generate.main(base + ["--draft_checkpoint_path", str(head_path), "--json_out", str(tmp_path / "spec.json")])
+    return read_generation(tmp_path / "plain.json"), read_generation(tmp_path / "spec.json")
+
+
 def run_cli(tmp_path, argv) -> dict:
     """generate.py's main(argv) with --json_out, read back as read_generation reads it."""
     from generate import main

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 import generate
 import train_draft
-from conftest import expect_error, read_generation
+from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, catch_up
+from decode import catch_up
 from draft import DFlashDraft
 from generate import load_draft, load_target
 from test_train_eagle3 import corpus
@@ -105,11 +105,7 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
     assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 4, 6]}  # ids: layer outputs
     assert weights["fc.weight"].shape == (64, 3 * 64)
     convert(out)
-    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w3 w4 w5 w6",
-            "--max_new_tokens", "40"]
-    generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
-    generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
-    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
+    plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
     assert "tree 5 tokens, depth 3, top-k 1" in capsys.readouterr().out  # the chain of the head's own block
     draft = load_draft(out / "draft.pth", load_target(target_dir / "model.pth", "cpu", "fp32", 64))

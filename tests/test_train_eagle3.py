@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 import generate
 import train_draft
-from conftest import expect_error, read_generation
+from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from draft import Eagle3Draft, build_tree
 from decode import SamplingConfig, TreeConfig, catch_up
@@ -167,11 +167,7 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
 
     from convert_hf_checkpoint import main as convert_main
     convert_main(["--checkpoint_dir", str(out)])
-    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w3 w4 w5 w6",
-            "--max_new_tokens", "40"]
-    generate.main(base + ["--json_out", str(tmp_path / "plain.json")])
-    generate.main(base + ["--draft_checkpoint_path", str(out / "draft.pth"), "--json_out", str(tmp_path / "spec.json")])
-    plain, spec = (read_generation(tmp_path / f"{n}.json") for n in ("plain", "spec"))
+    plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(out / "draft.pth", model)
