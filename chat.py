@@ -2,7 +2,7 @@
 prompts through the chat template, the interactive chat, and what a run of one prompt or of several prints and
 writes (--json_out).
 
-Imports decode.py (GenerationResult), model.py, tokenizer.py and cli.py. The generation comes in as a function
+Imports decode.py (GenerationResult), checkpoint.py, tokenizer.py and cli.py. The generation comes in as a function
 (gen, gen_batch: generate.py's main binds generate() to the loaded model and flags), so nothing here imports
 generate.py, which imports this file.
 """
@@ -16,7 +16,7 @@ import torch
 
 from cli import torchrun_rank, utf8_text
 from decode import GenerationResult
-from model import EagletError
+from checkpoint import EagletError
 from tokenizer import Tokenizer
 
 

@@ -8,7 +8,7 @@ Q4_1 and Q4_K Linears map onto Int4Linear's group-32 form without going through 
 zero per 32 input channels; only the scales and zeros round, to bf16). llama.cpp stores the query and key
 rows of LLaMA-family attention permuted for its RoPE; they are put back in Hugging Face's order.
 
-Imports model.py and quantize.py; convert_hf_checkpoint.py imports it.
+Imports checkpoint.py and quantize.py; convert_hf_checkpoint.py imports it.
 """
 import json
 import mmap
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model import EagletError
+from checkpoint import EagletError
 from quantize import pack_int4
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")

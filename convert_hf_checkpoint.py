@@ -76,7 +76,8 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 
 from head_formats import (eagle3_flags, feature_layer_ids, head_args, head_config, head_kind,  # noqa: E402
                           is_dflash_config, is_eagle3_config)
-from model import QUANT_KEY, EagletError, ModelArgs, load_state_dict, read_config  # noqa: E402
+from checkpoint import QUANT_KEY, EagletError, load_state_dict, read_config  # noqa: E402
+from model import ModelArgs  # noqa: E402
 from quantize import GROUPSIZES, output_path, pack_int4, quantization_record, quantize_group, spill  # noqa: E402
 from convert_gguf import (INT4_TYPES, check_tensor_names, dequantize, find_gguf, gguf_config, gguf_layer,  # noqa: E402
                           gguf_tokenizer, linear_types, read_gguf)

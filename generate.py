@@ -180,7 +180,8 @@ from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settin
                     weights_format)
 from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
 from head_formats import head_config, load_head, read_draft_vocab  # noqa: E402
-from model import EagletError, Transformer, read_config  # noqa: E402
+from checkpoint import EagletError, read_config  # noqa: E402
+from model import Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
 from tune import AUTO_SIZES, auto_tree, pick_total_tokens, tuning_cache_size, widest_tree  # noqa: E402

@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from checkpoint import EagletError, load_state_dict, mismatch_detail, read_config
 from draft import DFlashDraft, DraftHead, Eagle3Draft, Eagle3Flags, EagleDraft
-from model import EagletError, ModelArgs, load_state_dict, mismatch_detail, read_config
+from model import ModelArgs
 from quantize import pack_quantized, pop_quantization, use_quantized_linears
 
 

@@ -7,14 +7,12 @@ It returns the logits (optionally only at some positions) and the features its E
 reads: the last hidden state after the final norm (EAGLE-1/2), or the hidden states entering the layers
 listed in `feature_layers`, concatenated (EAGLE-3).
 
-Imports attention.py and torch, nothing else of eaglet. A file of quantized weights loads into quantize.py's
-Linears, imported only then (quantize_module), because quantize.py imports this file; `from model import
-Int8Linear` still works.
+Imports attention.py (the attention kernels and masks), checkpoint.py (reading config.json and weight files,
+with the checks of what a user gives) and torch. A file of quantized weights loads into quantize.py's Linears,
+imported only then (quantize_module): a float model needs nothing of it. `from model import Int8Linear` and
+`from model import load_state_dict` still work.
 """
-import json
 import math
-import pickle
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,10 +25,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from attention import attend
 from attention import attention_mask, causal_mask, decode_mask  # noqa: F401  (their old import path)
-
-
-class EagletError(Exception):
-    """A user mistake (bad path, bad checkpoint, bad value): printed as one line by the CLIs."""
+from checkpoint import QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -103,47 +98,6 @@ class ModelArgs:
             return cls.from_hf_config(config)
         except EagletError as e:
             raise EagletError(f"{Path(checkpoint_dir) / 'config.json'}: {e}")
-
-
-def read_config(checkpoint_dir) -> dict:
-    """A folder's config.json as a dict, or one clear error (missing, not JSON, not an object)."""
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        raise EagletError(f"no config.json in {checkpoint_dir}")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EagletError(f"{path} is not valid JSON: {e}")
-    if not isinstance(config, dict):
-        raise EagletError(f"{path} is not a JSON object")
-    return config
-
-
-REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "tokenizer_vocab_size")
-
-
-def check_config_values(config: dict):
-    """Missing or mistyped config fields as one clear error, before they become a shape error deep inside."""
-    missing = [k for k in REQUIRED_SIZES if k not in config]
-    if missing:
-        raise EagletError(f"config is missing {', '.join(missing)}")
-    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
-        value = config.get(key)
-        if (key in REQUIRED_SIZES or value is not None) and (type(value) is not int or value < 1):
-            raise EagletError(f"config {key} must be a positive integer, got {value!r}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers >= 5 keeps rope_theta in it
-    if not isinstance(rope, dict):
-        raise EagletError(f"config rope_parameters / rope_scaling must be a JSON object, got {rope!r}")
-    values = {"rms_norm_eps": config.get("rms_norm_eps", 1.0),
-              "rope_theta": config["rope_theta"] if "rope_theta" in config else rope.get("rope_theta", 1.0)}
-    for key, value in values.items():
-        if type(value) not in (int, float) or not 0 < value < math.inf:
-            raise EagletError(f"config {key} must be a positive number, got {value!r}")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads or (not config.get("head_dim") and config["hidden_size"] % heads):
-        raise EagletError(f"config: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
-                          f"and hidden_size {config['hidden_size']} of num_attention_heads (unless head_dim is set)")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
@@ -441,44 +395,11 @@ class Transformer(nn.Module):
 
 def quantize_module(state_dict: dict):
     """quantize.py, whose Linears a file of quantized weights (its record, or a Linear's NAME.scales) loads into;
-    None for float weights. Imported here, not at the top: quantize.py imports this file, and a float model
-    needs nothing of it."""
+    None for float weights. Imported here, not at the top: a float model needs nothing of it."""
     if QUANT_KEY in state_dict or any(name.endswith(".scales") for name in state_dict):
         import quantize
         return quantize
     return None
-
-
-QUANT_KEY = "eaglet_quantization"  # a quantized file's record of what it holds (written by quantize.py)
-
-
-def load_state_dict(path) -> dict:
-    """Tensors saved with torch.save: memory-mapped from the zip format, read whole from the legacy format
-    (old checkpoints); a quantized file also holds its record under QUANT_KEY. weights_only: a pickle's code
-    is never run."""
-    if Path(path).is_file() and Path(path).stat().st_size == 0:
-        raise EagletError(f"{path} is empty")
-    try:
-        state_dict = torch.load(str(path), map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
-    except (pickle.UnpicklingError, KeyError, EOFError):
-        raise EagletError(f"cannot read {path}: not a checkpoint of plain tensors (corrupt, or it pickles other "
-                          "objects, which are never unpickled here)")
-    except (RuntimeError, OSError) as e:  # torch's zip reader on a cut file: "failed finding central directory"
-        if "zip" not in str(e).lower() and getattr(e, "errno", None) != 22:
-            raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
-        raise EagletError(f"cannot read {path}: truncated or corrupt (not a whole checkpoint archive)")
-    except Exception as e:
-        raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
-    if not isinstance(state_dict, dict) or \
-            not all(isinstance(v, Tensor) for k, v in state_dict.items() if k != QUANT_KEY):
-        raise EagletError(f"{path} is not a state dict (a mapping of names to tensors)")
-    return state_dict
-
-
-def mismatch_detail(e: RuntimeError, limit: int = 600) -> str:
-    """load_state_dict's multi-line error on one line, keeping which tensors and which shapes."""
-    detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip()) or str(e)
-    return detail if len(detail) <= limit else detail[:limit] + " ..."
 
 
 # The quantized Linears and their loading moved to quantize.py; their old import path still works

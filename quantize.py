@@ -19,7 +19,7 @@ exactly the output of plain decoding of the same quantized model.
 """
 # (The docstring above is --help's text.) Beside the tool, the formats as a model runs them: Int8Linear and
 # Int4Linear (torch's kernels), swapped in for a file's quantized Linears when it is loaded (use_quantized_linears,
-# pack_quantized). Imports model.py and cli.py; model.py imports this file only when it loads quantized weights.
+# pack_quantized). Imports checkpoint.py and cli.py; model.py imports this file only when it loads quantized weights.
 import os
 import sys
 import tempfile
@@ -54,7 +54,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from model import QUANT_KEY, EagletError, load_state_dict  # noqa: E402
+from checkpoint import QUANT_KEY, EagletError, load_state_dict  # noqa: E402
 
 QUANT_FORMAT_VERSION = 1  # of the record a quantized file holds under QUANT_KEY; a newer one is refused
 EMBEDDINGS = ("tok_embeddings.weight", "embed.weight")  # the only 2-D weights that are not Linears

@@ -3,7 +3,7 @@
 The checkpoint's own chat template (chat_template.jinja, as recent transformers save it, or the
 chat_template of tokenizer_config.json / chat_template.json) is rendered with jinja2; LLaMA-2-chat and
 Vicuna templates are built in for checkpoints that have none, and `chat_template_source` says which is used.
-Imports model.py (EagletError) only.
+Imports checkpoint.py (EagletError) only.
 """
 import json
 import re
@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from model import EagletError
+from checkpoint import EagletError
 
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}"

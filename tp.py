@@ -40,7 +40,8 @@ from torch.distributed import _functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cli import torchrun_rank
-from model import EagletError, ModelArgs, Transformer, load_state_dict
+from checkpoint import EagletError, load_state_dict
+from model import ModelArgs, Transformer
 from quantize import pop_quantization, use_quantized_linears
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")  # output rows are split: each rank computes some outputs

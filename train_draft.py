@@ -126,7 +126,8 @@ from convert_hf_checkpoint import export_layer  # noqa: E402
 from draft import DFlashDraft, DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
-from model import EagletError, ModelArgs, Transformer, mismatch_detail, read_config  # noqa: E402
+from checkpoint import EagletError, mismatch_detail, read_config  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from quantize import Int8Linear  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 

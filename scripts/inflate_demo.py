@@ -35,7 +35,8 @@ from draft import Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
 from head_formats import eagle3_feature_layers, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
-from model import EagletError, ModelArgs, Transformer, read_config  # noqa: E402
+from checkpoint import EagletError, read_config  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 SHAPES = {  # the fields that make a model's cost: LLaMA-2-7B, LLaMA-2-13B and LLaMA-3-8B

@@ -1,0 +1,75 @@
+"""The house: the README's file table says truly what each file imports, and imports go one way (no circle)."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted(ROOT.glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+OURS = {p.stem for p in SOURCES}
+
+
+def eaglet_imports(path: Path) -> tuple:
+    """(eaglet modules imported at the top level, those imported only inside a function) of one file."""
+    top, inside = set(), set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module.split(".")[0]]
+        else:
+            continue
+        (top if node.col_offset == 0 else inside).update(n for n in names if n in OURS and n != path.stem)
+    return top, inside - top
+
+
+def readme_table() -> dict:
+    """file -> (imports at the top, imports inside a function) as the README's Files table gives them."""
+    table = {}
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\| `([\w/]+)\.py` \| \d+ \| .* \| ([^|]*) \|$", line)
+        if not m:
+            continue
+        column = m.group(2).strip()
+        inside = re.search(r"\(inside a function: ([^)]*)\)", column)
+        top = re.sub(r"\(inside a function: [^)]*\)", "", column).strip()
+        names = lambda text: {n.strip() for n in text.split(",") if n.strip()} - {"none", "torch only",
+                                                                                 "the standard library only"}
+        table[m.group(1).split("/")[-1]] = (names(top), names(inside.group(1)) if inside else set())
+    return table
+
+
+def test_readme_file_table_lists_every_file_and_its_imports():
+    table = readme_table()
+    assert set(table) == OURS - {"__init__"}, "files missing from (or extra in) the README's table"
+    wrong = {}
+    for path in SOURCES:
+        actual = tuple(sorted(s) for s in eaglet_imports(path))
+        said = tuple(sorted(s) for s in table[path.stem])
+        if actual != said:
+            wrong[path.name] = dict(actual=actual, readme=said)
+    assert not wrong, wrong
+
+
+def test_top_level_imports_have_no_circle():
+    graph = {p.stem: eaglet_imports(p)[0] for p in SOURCES}
+    done, on_path = set(), []
+
+    def visit(name):
+        assert name not in on_path, "import circle: " + " -> ".join(on_path[on_path.index(name):] + [name])
+        if name in done:
+            return
+        on_path.append(name)
+        for dep in graph.get(name, ()):
+            visit(dep)
+        on_path.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
+
+
+def test_the_model_builds_a_float_target_without_the_tools():
+    """model.py stands on attention.py and checkpoint.py alone: a fork reading the LLaMA reads only those."""
+    assert eaglet_imports(ROOT / "model.py") == ({"attention", "checkpoint"}, {"quantize"})
+    assert eaglet_imports(ROOT / "checkpoint.py") == (set(), set())
