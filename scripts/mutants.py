@@ -2,11 +2,12 @@
 no test catches is a hole in the tests. After changing the cycle, run this to see that the tests still
 watch what you changed; after adding a feature, add its likely bugs to MUTANTS.
 
-    python scripts/mutants.py                  # every bug, the fast tier (pytest -m "not slow"), 2 jobs
+    python scripts/mutants.py                  # every bug: the fast tier, then the slow tier if it passed; 2 jobs
     python scripts/mutants.py --only catch-up  # the bugs whose name contains this
-    python scripts/mutants.py --full           # the whole suite for each bug (slower)
+    python scripts/mutants.py --fast_only      # the fast tier only (pytest -m "not slow")
+    python scripts/mutants.py --full           # the whole suite at once for each bug
 
-Prints, per bug, the first test that failed (or SURVIVED), and exits non-zero if any bug survived.
+Prints, per bug, the first test that failed and its tier (or SURVIVED), and exits non-zero if any bug survived.
 """
 import argparse
 import os
@@ -338,7 +339,8 @@ def check_mutants(mutants: list):
                      "update MUTANTS after changing the code")
 
 
-def worker(files: list, mutants: list, pytest_args: list, timeout: int, report) -> list:
+def worker(files: list, mutants: list, tiers: list, timeout: int, report) -> list:
+    """Each bug against the tiers in turn (name, pytest arguments) until one fails: (bug, caught by, why, s)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
         repo = Path(tmp) / "repo"
@@ -347,17 +349,24 @@ def worker(files: list, mutants: list, pytest_args: list, timeout: int, report) 
             path = repo / m.path
             original = path.read_text()
             path.write_text(original.replace(m.old, m.new))
-            passed, why, seconds = run_tests(repo, pytest_args, timeout)
+            caught_by, why, seconds = None, "", 0.0
+            for tier, pytest_args in tiers:
+                passed, why, spent = run_tests(repo, pytest_args, timeout)
+                seconds += spent
+                if not passed:
+                    caught_by = tier
+                    break
             path.write_text(original)
-            results.append((m, not passed, why, seconds))
-            report(m, not passed, why, seconds)
+            results.append((m, caught_by, why, seconds))
+            report(m, caught_by, why, seconds)
     return results
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="run the bugs whose name contains this text")
-    p.add_argument("--full", action="store_true", help="the whole suite for each bug (default: pytest -m 'not slow')")
+    p.add_argument("--full", action="store_true", help="the whole suite at once for each bug")
+    p.add_argument("--fast_only", action="store_true", help="the fast tier only: no slow-tier run for a bug it misses")
     p.add_argument("--jobs", type=int, default=2, help="bugs tested at once, each in its own copy (default: 2)")
     p.add_argument("--timeout", type=int, default=900, help="seconds before a test run counts as a hang (caught)")
     p.add_argument("--no_baseline", action="store_true", help="skip the check that the unchanged tests pass")
@@ -370,26 +379,37 @@ def main(argv=None):
     check_mutants(mutants)
     # the files that catch most bugs first: with -x a caught bug stops early (duplicates are collected once)
     first = [f"tests/{name}.py" for name in ("test_lossless", "test_tree", "test_model", "test_errors")]
-    pytest_args = first + ["tests"] if args.full else ["-m", "not slow", *first, "tests"]
+    tiers = [("full suite", first + ["tests"])] if args.full else \
+        [("fast tier", ["-m", "not slow", *first, "tests"]), ("slow tier", ["-m", "slow", "tests"])]
+    tiers = tiers[:1] if args.fast_only else tiers
     files = repository_files()
     t0 = time.perf_counter()
-    if not args.no_baseline:
+
+    def baseline(tier, pytest_args):
         with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
             copy_repository(files, Path(tmp) / "repo")
             passed, why, seconds = run_tests(Path(tmp) / "repo", pytest_args, args.timeout)
         if not passed:
-            sys.exit(f"error: the unchanged tests fail ({why}): fix them before seeding bugs")
-        print(f"baseline: the unchanged tests pass ({seconds:.0f} s)", flush=True)
+            sys.exit(f"error: the unchanged tests fail in the {tier} ({why}): fix them before seeding bugs")
+        print(f"baseline: the unchanged {tier} passes ({seconds:.0f} s)", flush=True)
+    if not args.no_baseline:
+        baseline(*tiers[0])
 
-    def report(m, caught, why, seconds):
-        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name}  [{why}, {seconds:.0f} s]", flush=True)
+    def report(m, caught_by, why, seconds):
+        print(f"{'caught  ' if caught_by else 'SURVIVED'} {m.name}  [{caught_by or 'every tier'}: {why}, "
+              f"{seconds:.0f} s]", flush=True)
     shares = [mutants[i::args.jobs] for i in range(args.jobs)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = [r for rs in pool.map(lambda share: worker(files, share, pytest_args, args.timeout, report), shares)
+        results = [r for rs in pool.map(lambda share: worker(files, share, tiers, args.timeout, report), shares)
                    for r in rs]
-    survivors = [m.name for m, caught, _, _ in results if not caught]
-    print(f"\n{len(results) - len(survivors)} of {len(results)} seeded bugs caught "
-          f"({'full suite' if args.full else 'fast tier'}, {(time.perf_counter() - t0) / 60:.1f} min)")
+    by_slow = [m.name for m, caught_by, _, _ in results if caught_by == "slow tier"]
+    if by_slow and not args.no_baseline:  # a bug the slow tier caught counts only if the slow tier passes unchanged
+        baseline(*tiers[1])
+    survivors = [m.name for m, caught_by, _, _ in results if not caught_by]
+    print(f"\n{len(results) - len(survivors)} of {len(results)} seeded bugs caught, {len(by_slow)} of them only by "
+          f"the slow tier ({' then '.join(t for t, _ in tiers)}, {(time.perf_counter() - t0) / 60:.1f} min)")
+    if by_slow:
+        print("caught only by the slow tier:\n  " + "\n  ".join(by_slow))
     if survivors:
         sys.exit("survived:\n  " + "\n  ".join(survivors))
 

@@ -72,7 +72,8 @@ def test_kernel_table_counts_what_a_call_runs():
     rows = {row["name"]: row for row in table["top"]}
     assert table["unit"].startswith("CPU") and rows["aten::mm"]["per_call"] == 2
     assert rows["aten::mm"]["us_per_call"] > 0 and "aten::_softmax" in rows
-    assert table["ms_per_call"] * 1e3 >= sum(row["us_per_call"] for row in table["top"]) > 0
+    top_us = sum(row["us_per_call"] for row in table["top"])  # a part of the total, or all of it (rounding aside)
+    assert table["ms_per_call"] * 1e3 >= top_us * (1 - 1e-9) and top_us > 0
 
 
 @pytest.mark.slow
@@ -102,6 +103,7 @@ def test_bench_eval_on_question_files(checkpoints, tmp_path, capsys):
     print((tmp_path / "r.md").read_text())
 
 
+@pytest.mark.slow
 def test_compiled_plain_decoding_does_not_recompile(checkpoints):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
@@ -287,6 +289,7 @@ def runs(pair):
     return run
 
 
+@pytest.mark.slow
 def test_reports_name_the_draft_vocab_beside_the_head(pair, runs):
     run, text = runs("beside"), f"{VOCAB_KEPT} of 64 tokens from {pair.head / 'draft_vocab.json'}"
     assert f"draft vocabulary: {text}" in run.stdout
@@ -326,6 +329,7 @@ def numbers(pattern: str, text: str) -> list:
     return [float(x) for x in match.groups()]
 
 
+@pytest.mark.slow
 def test_derived_figures_follow_from_their_reported_inputs(runs):
     r = runs("beside").results
     setup, plain, cycle, side = r["setup"], r["plain"], r["cycle"], r["side_by_side"]
@@ -446,6 +450,7 @@ def test_help_shows_every_default():
     assert len(with_values) >= 17 and not [o for o in with_values if "default" not in o], text
 
 
+@pytest.mark.slow
 def test_unwritable_out_is_refused_before_anything_is_measured(tmp_path):
     (tmp_path / "r.json").mkdir()
     proc = run_bench(["--model", "tiny", "--out", str(tmp_path / "r"), "--overwrite"])
@@ -487,6 +492,7 @@ def test_the_tree_depth_defaults_to_the_heads_own(tmp_path):
         assert json.loads((tmp_path / f"r{depth}.json").read_text())["setup"]["tree"]["depth"] == depth
 
 
+@pytest.mark.slow
 def test_bench_batch_sizes_sweep(tmp_path, capsys):
     """--batch_sizes: both modes at each size, the ratio and the crossover recomputed from the JSON."""
     bench.main(["--model", "tiny", "--batch_sizes", "1,2,3", "--out", str(tmp_path / "r")] + SMALL)

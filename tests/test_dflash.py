@@ -244,6 +244,7 @@ def test_block_tree_keeps_the_best_paths_of_the_marginals():
 
 # ---- sampling: the target's own distribution -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.stat
 def test_sampling_with_a_dflash_head_matches_the_target_distribution(tmp_path):
     from conftest import make_agreeing_pair

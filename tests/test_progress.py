@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from cli import Progress, format_duration, format_rate
 from conftest import ROOT
 
@@ -113,6 +115,7 @@ def test_durations_and_rates():
     assert [format_rate(r) for r in (0.25, 1, 12.34, 5000.4)] == ["4 s each", "1/s", "12.3/s", "5000/s"]
 
 
+@pytest.mark.slow
 def test_a_real_process_writing_to_a_pipe_prints_plain_lines(checkpoints, tmp_path):
     target_dir, _ = checkpoints("llama2")
     shutil.copy(target_dir / "model.pth", tmp_path / "model.pth")

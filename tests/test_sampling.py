@@ -139,6 +139,7 @@ def test_wrong_acceptance_rules_are_caught(pair, monkeypatch, wrong_rule):
     assert chi_square_p_below(counts, exact_distribution(target_dir, sampling))
 
 
+@pytest.mark.slow
 def test_batched_rows_sample_the_target_distribution(pair):
     """generate_batch: rows 0 and 2 hold PROMPT, row 1 a longer prompt (so the others are padded and sit
     elsewhere in their caches); the first two rows' draws pooled follow the target's distribution."""

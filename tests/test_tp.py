@@ -70,6 +70,7 @@ def cases(targets) -> list:
          dict(target=demo, head=head, prompts=code[:1], max_new_tokens=20, perturb="head")]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_equals_one_process(targets, tmp_path):
     todo = cases(targets)
     (tmp_path / "cases.json").write_text(json.dumps(todo))
@@ -139,6 +140,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_checkpoint_missing_on_one_rank_stops_every_rank(tmp_path):
     """Started as torchrun starts them, rank 1 given a path its machine lacks: both ranks exit with status 1,
     rank 0 alone says why, naming the rank; neither waits for the other."""

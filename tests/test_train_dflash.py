@@ -87,6 +87,7 @@ def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path
     assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
 
 
+@pytest.mark.slow
 def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_path, capsys):
     target_dir, _ = checkpoints("llama8")
     text, out = corpus(tmp_path / "corpus.txt"), tmp_path / "dflash"

@@ -64,6 +64,7 @@ def test_training_lowers_the_loss_and_tools_accept_the_head(checkpoints, tmp_pat
     assert spec.tokens == generate.generate(model, prompt, 40, SamplingConfig()).tokens
 
 
+@pytest.mark.slow
 def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_path, capsys, monkeypatch):
     """The target's replies are written once: a resumed run reuses them (the target is not run, the examples are
     the same), a run with another reply length writes them again and says why."""

@@ -140,6 +140,7 @@ def corpus(path, n_words=2000, seed=0):
     return path
 
 
+@pytest.mark.slow
 def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_path, capsys):
     """--head eagle3 with chosen feature layers and a reduced draft vocabulary: the published keys and config,
     d2t/t2d naming the data's most frequent tokens, a resumed run, and greedy output equal to plain."""

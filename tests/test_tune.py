@@ -262,6 +262,7 @@ def test_cli_tree_auto_end_to_end_equals_plain_decoding(tmp_path, monkeypatch, c
         assert f"tree {chosen.total_tokens} tokens, depth {chosen.depth}, top-k {chosen.topk};" in out
 
 
+@pytest.mark.slow
 def test_bench_tune_tree_reports_the_choice_against_the_flags_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TREE_GRID", GRID)
     monkeypatch.setattr(bench, "CALIBRATION_TOKENS", NEW_TOKENS)
