@@ -339,6 +339,14 @@ def check_mutants(mutants: list):
                      "update MUTANTS after changing the code")
 
 
+def tests_of(path: str) -> list:
+    """The test files named after a source file (tp.py: test_tp.py; train_draft.py: test_train_*.py), run first:
+    with -x a bug they catch stops the run early (a file given twice is collected once)."""
+    stem, root = Path(path).stem, ROOT / "tests"
+    names = {f for pattern in {stem, stem.split("_")[0], stem.split("_")[-1]} for f in root.glob(f"test_{pattern}*.py")}
+    return sorted(f"tests/{f.name}" for f in names)
+
+
 def worker(files: list, mutants: list, tiers: list, timeout: int, report) -> list:
     """Each bug against the tiers in turn (name, pytest arguments) until one fails: (bug, caught by, why, s)."""
     results = []
@@ -351,7 +359,7 @@ def worker(files: list, mutants: list, tiers: list, timeout: int, report) -> lis
             path.write_text(original.replace(m.old, m.new))
             caught_by, why, seconds = None, "", 0.0
             for tier, pytest_args in tiers:
-                passed, why, spent = run_tests(repo, pytest_args, timeout)
+                passed, why, spent = run_tests(repo, tests_of(m.path) + pytest_args, timeout)
                 seconds += spent
                 if not passed:
                     caught_by = tier

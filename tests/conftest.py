@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each
+    torch.set_num_threads(1)
 
 VOCAB = 96  # w0 .. w91 plus four specials
 # Draws per statistical (chi-square) test; raise it for a deeper run: EAGLET_STAT_SAMPLES=10000 pytest -m stat
