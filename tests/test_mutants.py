@@ -10,6 +10,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mutants  # noqa: E402
 
 
+def test_the_changed_files_tests_run_first_then_those_that_catch_most():
+    files = mutants.test_files_for("tp.py")
+    assert files[:5] == ["tests/test_tp.py", *mutants.CATCH_MOST] and len(files) == len(set(files))
+    assert set(files) == {f"tests/{f.name}" for f in (ROOT / "tests").glob("test_*.py")} - {"tests/test_mutants.py"}
+    assert {"tests/test_train_dflash.py", "tests/test_train_draft.py", "tests/test_train_eagle3.py"} <= \
+        set(mutants.test_files_for("train_draft.py")[:4])  # test_train_*.py and test_draft*.py
+
+
 def test_every_seeded_bug_is_found_once_in_the_code():
     for m in mutants.MUTANTS:
         assert (ROOT / m.path).read_text().count(m.old) == 1, (m.name, m.path)
@@ -30,7 +38,7 @@ def test_a_bug_the_fast_tier_misses_is_run_against_the_slow_tier(tmp_path, monke
     bugs = [mutants.Mutant("times", "calc.py", "a + b", "a * b"),  # add(1, 1) == 1: the fast tier fails
             mutants.Mutant("large only", "calc.py", "a + b", "a + b if a < 2 else 0"),  # only add(2, 3) is wrong
             mutants.Mutant("same sum", "calc.py", "a + b", "b + a")]  # no test can tell
-    tiers = [("fast tier", ["-m", "not slow", "tests"]), ("slow tier", ["-m", "slow", "tests"])]
+    tiers = [("fast tier", ["-m", "not slow"]), ("slow tier", ["-m", "slow"])]
     seen = []
     results = mutants.worker(["calc.py", "pytest.ini", "tests/test_calc.py"], bugs, tiers, 120,
                              lambda m, caught_by, why, s: seen.append(m.name))
