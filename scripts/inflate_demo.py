@@ -20,19 +20,22 @@ layers that hold the demo's feature layers (demo layer i sits at wide layer i x 
 add nothing); fc reads each of the three wide features' demo dims and passes one feature's bias channel
 on, so that the head's own hidden state carries it through its norms. Its draft vocabulary is padded to
 32000 entries (the whole vocabulary if smaller; LLaMA-3-8B's heads have 32000) whose lm_head rows never
-win, mapped to target ids the demo's entries do not use.
+win, mapped to target ids the demo's entries do not use. The demo's DFlash head (demo/dflash, if there) goes to
+OUT_DIR/dflash the same way (feature layers and fc as EAGLE-3's); its per-head q/k norms see the demo's
+statistics through a constant channel in each head's q and k (copy_qk_norms).
 """
 import json
 import math
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draft import Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
-from head_formats import eagle3_feature_layers, load_head  # noqa: E402
+from draft import DFlashDraft, Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
+from head_formats import eagle3_feature_layers, head_args, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, read_config  # noqa: E402
@@ -107,13 +110,14 @@ def put(dst: torch.Tensor, index, src: torch.Tensor):
     dst[index] = src.to(device=dst.device, dtype=dst.dtype)
 
 
-def copy_attention(big, small, lay: Layout, in_blocks: int = 1):
-    """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim).
+def copy_attention(big, small, lay: Layout, in_blocks: int = 1, scale_q: bool = True):
+    """wqkv and wo of one attention: demo rows and columns to their wide places, q scaled for 1/sqrt(head_dim)
+    (unless scale_q is False: a q norm after the projection would undo it; copy_qk_norms scales instead).
     in_blocks: inputs side by side (EAGLE-3's attention reads 2: embedding and hidden state)."""
     s, b = lay.small, lay.big
     d, sd = s.head_dim, s.dim
     w, wb = small.wqkv.weight, big.wqkv.weight
-    q_scale = math.sqrt(b.head_dim / s.head_dim)
+    q_scale = math.sqrt(b.head_dim / s.head_dim) if scale_q else 1.0
     cols = lay.columns(in_blocks)
     for h, bh in enumerate(lay.q_heads.tolist()):
         put(wb, (lay.head_rows(bh, 0)[:, None], cols), w[h * d:(h + 1) * d] * q_scale)
@@ -123,6 +127,26 @@ def copy_attention(big, small, lay: Layout, in_blocks: int = 1):
     for bg, g in lay.kv_source.items():
         put(wb, (lay.head_rows(bg, bk_off)[:, None], cols), w[k_off + g * d:k_off + (g + 1) * d])
         put(wb, (lay.head_rows(bg, bv_off)[:, None], cols), w[v_off + g * d:v_off + (g + 1) * d])
+
+
+def copy_qk_norms(big, small, lay: Layout):
+    """Qwen3's per-head q and k norms over the wider head_dim, with the one eps of every norm of the model.
+    A constant channel c in each head's q and k (the projection's bias, on a dim no demo head uses, zeroed
+    again by the norm's weight so no score sees it) makes the norm see the demo head's statistics:
+    (sum + c^2) / D + eps' = (d / D) (sum / d + eps). q's weight also carries the 1/sqrt(head_dim) change."""
+    s, b = lay.small, lay.big
+    if b.head_dim <= s.head_dim:
+        raise EagletError(f"a head with q/k norms needs wider heads than the demo's {s.head_dim} dims to embed in")
+    head_ratio = s.head_dim / b.head_dim
+    c = math.sqrt(b.head_dim * (head_ratio * s.norm_eps - b.norm_eps))
+    free = b.head_dim // 2 - 1  # the first RoPE half's last dim: neither it nor its RoPE partner holds demo dims
+    k_off = b.n_head * b.head_dim
+    for bh in lay.q_heads.tolist():
+        big.wqkv.bias[bh * b.head_dim + free] = c
+    for bg in lay.kv_source:
+        big.wqkv.bias[k_off + bg * b.head_dim + free] = c
+    put(big.q_norm.weight, lay.head_dims, small.q_norm.weight)  # sqrt(d / D) for the norm x sqrt(D / d) for q
+    put(big.k_norm.weight, lay.head_dims, small.k_norm.weight * math.sqrt(head_ratio))
 
 
 def copy_mlp(big, small, lay: Layout):
@@ -261,6 +285,45 @@ def inflate_head3(demo_dir: Path, target: Transformer, draft_vocab_size: int = 0
     return head.eval(), config
 
 
+@torch.no_grad()
+def inflate_dflash(demo_dir: Path, target: Transformer):
+    """The demo's DFlash head (demo_dir/dflash) for the demo inflated into target; returns (head, its
+    config.json). fc reads the wide layers that hold the demo's feature layers and passes one feature's bias
+    channel on to the hidden norm; the block's embeddings and the lm_head are the wide target's own."""
+    small_target = ModelArgs.from_checkpoint_dir(demo_dir / "target")
+    small = load_head(demo_dir / "dflash" / "draft.pth", small_target)
+    if not isinstance(small, DFlashDraft) or small.args.qkv_bias or small.args.o_bias or small.args.mlp_bias:
+        raise EagletError(f"{demo_dir / 'dflash'}: only a DFlash head without biases, as the demo's, can be inflated")
+    b, target_lay = target.args, Layout(small_target, target.args)
+    ids = [target_lay.wide_input(j) - 1 for j in small.feature_layers]  # feature j: the output of layer j - 1
+    small_config = read_config(demo_dir / "dflash")
+    config = {**small_config, "hidden_size": b.dim, "num_attention_heads": b.n_head,
+              "num_key_value_heads": b.n_local_heads, "head_dim": b.head_dim,
+              "intermediate_size": b.intermediate_size, "vocab_size": b.vocab_size,
+              "max_position_embeddings": b.max_position_embeddings, "num_target_layers": b.n_layer,
+              "attention_bias": True, "dflash_config": {**small_config["dflash_config"], "target_layer_ids": ids}}
+    config.pop("rope_scaling", None)
+    lay = Layout(small.args, head_args(config))
+    config.update({"rope_theta": lay.rope_theta, "rms_norm_eps": lay.eps(small.args.norm_eps)})
+    lay.big = head_args(config)
+    weight = target.tok_embeddings.weight
+    head = empty_module(lambda args: DFlashDraft(args, len(ids), small.block_size, small.mask_token_id), lay.big,
+                        weight.device, weight.dtype)
+    put(head.fc.weight, (slice(lay.small.dim), lay.columns(len(ids))), small.fc.weight)
+    head.fc.weight[lay.bias_dim, lay.bias_dim] = 1.0  # the first feature's bias channel, for the hidden norm
+    copy_norm(head.hidden_norm, small.hidden_norm, lay)
+    for layer, small_layer in zip(head.layers, small.layers):
+        copy_attention(layer.attention, small_layer.attention, lay, scale_q=False)
+        copy_qk_norms(layer.attention, small_layer.attention, lay)
+        copy_mlp(layer.feed_forward, small_layer.feed_forward, lay)
+        copy_norm(layer.attention_norm, small_layer.attention_norm, lay)
+        copy_norm(layer.ffn_norm, small_layer.ffn_norm, lay)
+    copy_norm(head.norm, small.norm, lay)
+    head.norm.weight[lay.bias_dim] = 1 / BIAS  # the padding rows score NEVER x rms-normalised 1, as the target's
+    head.feature_layers = tuple(k + 1 for k in ids)
+    return head.eval(), config
+
+
 def inflate(demo_dir: Path, shape: dict, device="cpu", dtype=torch.float32):
     """(target, head, target config, head config) of the demo in this shape, built on device in dtype."""
     small = load_target(demo_dir / "target" / "model.pth", "cpu", "fp32")
@@ -283,11 +346,15 @@ def save(out_dir: Path, demo_dir: Path, target, head, target_config, head_config
 
 def save_head3(out_dir: Path, head, config):
     """OUT_DIR/head3 as eaglet stores an EAGLE-3 head: its weights and d2t (target id = draft id + d2t)."""
-    (out_dir / "head3").mkdir()
-    dtype = str(head.lm_head.weight.dtype).removeprefix("torch.")
-    (out_dir / "head3" / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
-    d2t = head.draft_to_target.cpu() - torch.arange(head.vocab_size)
-    torch.save({**head.state_dict(), "d2t": d2t}, out_dir / "head3" / "draft.pth")
+    save_extra_head(out_dir, "head3", head, config, {"d2t": head.draft_to_target.cpu() - torch.arange(head.vocab_size)})
+
+
+def save_extra_head(out_dir: Path, name: str, head, config, extra: Optional[dict] = None):
+    """OUT_DIR/name (head3, dflash): its config.json and weights, as eaglet stores a converted head."""
+    (out_dir / name).mkdir()
+    dtype = str(next(head.parameters()).dtype).removeprefix("torch.")
+    (out_dir / name / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
+    torch.save({**head.state_dict(), **(extra or {})}, out_dir / name / "draft.pth")
 
 
 def main(argv=None):
@@ -307,17 +374,21 @@ def main(argv=None):
         print(f"embedding {args.demo_dir} in a {args.shape} shape ({precision} on {device})", flush=True)
         parts = inflate(args.demo_dir, SHAPES[args.shape], device, PRECISIONS[precision])
         head3 = inflate_head3(args.demo_dir, parts[0]) if (args.demo_dir / "head3").is_dir() else None
+        dflash = inflate_dflash(args.demo_dir, parts[0]) if (args.demo_dir / "dflash").is_dir() else None
         print(f"writing {args.out_dir}", flush=True)
         save(args.out_dir, args.demo_dir, *parts)
         if head3:
             save_head3(args.out_dir, *head3)
+        if dflash:
+            save_extra_head(args.out_dir, "dflash", *dflash)
     except EagletError as e:
         sys.exit(f"error: {e}")
     except OSError as e:
         sys.exit(f"error: cannot write {args.out_dir}: {e.strerror}")
     print(f"done: --checkpoint_path {args.out_dir / 'target' / 'model.pth'} "
           f"--draft_checkpoint_path {args.out_dir / 'head' / 'draft.pth'}"
-          + (f" (EAGLE-3: {args.out_dir / 'head3' / 'draft.pth'})" if head3 else ""))
+          + (f" (EAGLE-3: {args.out_dir / 'head3' / 'draft.pth'})" if head3 else "")
+          + (f" (DFlash: {args.out_dir / 'dflash' / 'draft.pth'})" if dflash else ""))
 
 
 if __name__ == "__main__":

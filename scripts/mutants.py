@@ -293,6 +293,8 @@ MUTANTS = [
     M("dflash training: block position k learns the pick for a + k + 1", "train_draft.py",
       "where = anchors[..., None] + torch.arange(size - 1, device=picks.device)",
       "where = anchors[..., None] + 1 + torch.arange(size - 1, device=picks.device)"),
+    M("inflate: a DFlash head's q/k norms without their constant channel", "scripts/inflate_demo.py",
+      "c = math.sqrt(b.head_dim * (head_ratio * s.norm_eps - b.norm_eps))", "c = 0.0"),
     M("gguf: Q4_K's sub-blocks low and high nibbles swapped", "convert_gguf.py",
       "q = torch.stack([qs & 15, qs >> 4], dim=2)", "q = torch.stack([qs >> 4, qs & 15], dim=2)"),
     M("gguf: sentencepiece merges ranked lowest score first", "convert_gguf.py", "    merges.sort()\n",
