@@ -7,7 +7,8 @@ demo's, through each format's rounding), the weight bytes a token costs, and the
 --total_tokens auto picks for that format. --eagle3 adds the demo's EAGLE-3 head (demo/head3 inflated beside
 the EAGLE-2 head, its draft vocabulary padded to 32000 on LLaMA-3-8B's shape) on the same target weights: its
 cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the demo head3's tau. --dflash adds
-a random DFlash head of the published shape (5 layers, blocks of 16): its cycle phase by phase, chain and tree.
+a random DFlash head of the published shape (5 layers, blocks of 16): its cycle phase by phase, chain and tree;
+and the demo's DFlash head inflated: plain vs DFlash end to end with its tau.
 
     python scripts/gpu_check.py --out gpu_results --quick     # a first, short call: environment and checks
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
@@ -45,7 +46,7 @@ import bench  # noqa: E402
 import generate  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
-from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_head3  # noqa: E402
+from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_dflash, inflate_head3  # noqa: E402
 import attention  # noqa: E402
 import model  # noqa: E402
 from attention import attention_mask, causal_mask, decode_block_mask, sdpa_inputs  # noqa: E402
@@ -318,6 +319,24 @@ def measure_dflash(source: Transformer, fmt: str, plain_step_s: float, copy_bw: 
     return out
 
 
+def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> dict:
+    """The demo's DFlash head (blocks of 8), inflated for the same target: plain vs DFlash end to end with its real
+    tau, as a chain of the whole block and as a 16-token tree from the same pass, and the weight bytes a token
+    costs."""
+    head = inflate_dflash(DEMO_DIR, source)[0]
+    head.setup_caches(args.max_seq_length)
+    target = format_ready(source, fmt, args)
+    target.set_feature_layers(head.feature_layers)
+    device = str(target.output.weight.device)
+    out = {"feature_layers": list(head.feature_layers), "block_size": head.block_size}
+    for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 16", TreeConfig(6, 4, 16))):
+        step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
+                    "spec": generate.compile_step(generate.speculative_cycle, device)}
+        side = bench.side_by_side(target, head, tree, step_fns, args.side_tokens, False, prompt)
+        out[name] = eagle_bytes(target, head, tree, side)
+    return out
+
+
 def format_row(result: dict, eagle3: dict) -> dict:
     """One format's line of the side-by-side table (or why it has none); eagle3: its EAGLE-3 section's."""
     if "plain" not in result:
@@ -369,6 +388,9 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
         if args.dflash and i == 0 and "plain" in result:
             report.section(f"{name} {fmt} DFlash cycle (random head, published shape)", measure_dflash, source, fmt,
                            result["plain"]["step_ms"] / 1e3, copy_bw, args)
+            release_memory(device)
+            report.section(f"{name} {fmt} DFlash end to end (inflated demo)", measure_dflash_demo, source, fmt,
+                           prompt, args)
             release_memory(device)
     return rows
 
@@ -566,7 +588,8 @@ def parse_args(argv=None):
                         "EAGLE-2's is measured) and end to end against plain, on the same target weights")
     p.add_argument("--dflash", action="store_true",
                    help="also a random DFlash head shaped as the published ones (5 layers, blocks of 16) on each "
-                        "shape's first format: its cycle phase by phase, as a chain of 16 and a 32-token tree")
+                        "shape's first format: its cycle phase by phase, as a chain of 16 and a 32-token tree; and "
+                        "the demo's DFlash head inflated, end to end against plain with its tau (chain 8, tree 16)")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")

@@ -194,7 +194,7 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     # just wider than the demo (256): the smallest shape int4 g32 takes (widths of multiples of 32, of 16 out)
     monkeypatch.setitem(gpu_check.SHAPES, "small-test", dict(
         vocab_size=4096, hidden_size=320, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024))
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024))  # wider heads: DFlash's q/k norms
     for module in (bench, generate):
         monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
     formats = ["bf16", "int8", "int4.g32"]
@@ -217,6 +217,9 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     dflash = results["small-test bf16 DFlash cycle (random head, published shape)"]  # the first format only
     assert dflash["block_size"] == 16 and dflash["layers"] == 5 and len(dflash["feature_layers"]) == 5
     assert dflash["chain"]["draft_passes"] == 1 and dflash["tree"]["phases"]["whole cycle"]["ms"] > 0
+    demo = results["small-test bf16 DFlash end to end (inflated demo)"]  # the demo's DFlash head: real acceptance
+    for tree in ("chain 8", "tree 16"):
+        assert demo[tree]["same_tokens_as_plain"] and demo[tree]["tau"] > 1.3, (tree, demo[tree])
     assert not [k for k in results if "int8 DFlash" in k]
     kernels = results["linear kernels by rows"]
     assert kernels["rows"] == [1, 16, 17]
