@@ -26,6 +26,7 @@ from torch.distributed import _functional_collectives as funcol
 from attention import attend
 from attention import attention_mask, causal_mask, decode_mask  # noqa: F401  (their old import path)
 from checkpoint import QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config
+from checkpoint import OPTIONAL_SIZES, REQUIRED_SIZES  # noqa: F401  (their old import path)
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -329,9 +329,9 @@ def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> di
     target.set_feature_layers(head.feature_layers)
     device = str(target.output.weight.device)
     out = {"feature_layers": list(head.feature_layers), "block_size": head.block_size}
+    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
+                "spec": generate.compile_step(generate.speculative_cycle, device)}
     for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 16", TreeConfig(6, 4, 16))):
-        step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
-                    "spec": generate.compile_step(generate.speculative_cycle, device)}
         side = bench.side_by_side(target, head, tree, step_fns, args.side_tokens, False, prompt)
         out[name] = eagle_bytes(target, head, tree, side)
     return out
@@ -367,7 +367,7 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
     """The inflated demo in one shape, each of --formats in its own section (written as it is measured,
     models freed between them); returns the formats side by side. The bf16 weights stay: the source of the
     quantized ones. --eagle3: the demo's EAGLE-3 head too, inflated for the same target; --dflash: a random DFlash
-    head's cycle (the first format)."""
+    head's cycle and the demo's DFlash head inflated, end to end (the first format)."""
     source, draft, _, _ = inflate(DEMO_DIR, shape, device, dtype)
     draft.setup_caches(args.max_seq_length)
     draft3 = inflate_head3(DEMO_DIR, source)[0] if args.eagle3 else None

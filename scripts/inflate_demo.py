@@ -138,7 +138,11 @@ def copy_qk_norms(big, small, lay: Layout):
     if b.head_dim <= s.head_dim:
         raise EagletError(f"a head with q/k norms needs wider heads than the demo's {s.head_dim} dims to embed in")
     head_ratio = s.head_dim / b.head_dim
-    c = math.sqrt(b.head_dim * (head_ratio * s.norm_eps - b.norm_eps))
+    c_squared = b.head_dim * (head_ratio * s.norm_eps - b.norm_eps)
+    if c_squared < 0:
+        raise EagletError(f"the {b.dim}-wide model's eps ({b.norm_eps:.3g}) is too large for q/k norms over "
+                          f"{b.head_dim} dims to see the demo's {s.head_dim} (a wider model has a smaller eps)")
+    c = math.sqrt(c_squared)
     free = b.head_dim // 2 - 1  # the first RoPE half's last dim: neither it nor its RoPE partner holds demo dims
     k_off = b.n_head * b.head_dim
     for bh in lay.q_heads.tolist():

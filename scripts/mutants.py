@@ -294,7 +294,7 @@ MUTANTS = [
       "where = anchors[..., None] + torch.arange(size - 1, device=picks.device)",
       "where = anchors[..., None] + 1 + torch.arange(size - 1, device=picks.device)"),
     M("inflate: a DFlash head's q/k norms without their constant channel", "scripts/inflate_demo.py",
-      "c = math.sqrt(b.head_dim * (head_ratio * s.norm_eps - b.norm_eps))", "c = 0.0"),
+      "c = math.sqrt(c_squared)", "c = 0.0"),
     M("gguf: Q4_K's sub-blocks low and high nibbles swapped", "convert_gguf.py",
       "q = torch.stack([qs & 15, qs >> 4], dim=2)", "q = torch.stack([qs >> 4, qs & 15], dim=2)"),
     M("gguf: sentencepiece merges ranked lowest score first", "convert_gguf.py", "    merges.sort()\n",
@@ -358,8 +358,9 @@ def test_files_for(path: str) -> list:
     return [f for f in dict.fromkeys(ordered) if (ROOT / f).is_file()]
 
 
-def worker(files: list, mutants: list, tiers: list, timeout: int, report) -> list:
-    """Each bug against the tiers in turn (name, pytest arguments) until one fails: (bug, caught by, why, s)."""
+def worker(files: list, mutants: list, tiers: list, report) -> list:
+    """Each bug against the tiers in turn (name, pytest arguments, timeout) until one fails: (bug, caught by,
+    why, seconds). A run past its tier's timeout counts as a hang: caught, the why saying so."""
     results = []
     with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
         repo = Path(tmp) / "repo"
@@ -369,8 +370,9 @@ def worker(files: list, mutants: list, tiers: list, timeout: int, report) -> lis
             original = path.read_text()
             path.write_text(original.replace(m.old, m.new))
             caught_by, why, seconds = None, "", 0.0
-            for tier, pytest_args in tiers:
-                passed, why, spent = run_tests(repo, pytest_args + test_files_for(m.path), timeout)
+            for tier, pytest_args, timeout in tiers:
+                tests = [f for f in test_files_for(m.path) if (repo / f).is_file()]  # git-ignored ones are not there
+                passed, why, spent = run_tests(repo, pytest_args + tests, timeout)
                 seconds += spent
                 if not passed:
                     caught_by = tier
@@ -387,24 +389,27 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="the whole suite at once for each bug")
     p.add_argument("--fast_only", action="store_true", help="the fast tier only: no slow-tier run for a bug it misses")
     p.add_argument("--jobs", type=int, default=2, help="bugs tested at once, each in its own copy (default: 2)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds before a test run counts as a hang (caught)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds before a fast-tier run counts as a hang (caught)")
+    p.add_argument("--slow_timeout", type=int, default=3600,
+                   help="the same for a slow-tier or --full run (the slow tier takes ~15 min in one process)")
     p.add_argument("--no_baseline", action="store_true", help="skip the check that the unchanged tests pass")
     args = p.parse_args(argv)
-    if args.jobs < 1 or args.timeout < 1:
-        p.error("--jobs and --timeout must be at least 1")
+    if min(args.jobs, args.timeout, args.slow_timeout) < 1:
+        p.error("--jobs, --timeout and --slow_timeout must be at least 1")
     mutants = [m for m in MUTANTS if args.only in m.name]
     if not mutants:
         p.error(f"no bug's name contains {args.only!r}")
     check_mutants(mutants)
-    tiers = [("full suite", [])] if args.full else [("fast tier", ["-m", "not slow"]), ("slow tier", ["-m", "slow"])]
+    tiers = [("full suite", [], args.slow_timeout)] if args.full else \
+        [("fast tier", ["-m", "not slow"], args.timeout), ("slow tier", ["-m", "slow"], args.slow_timeout)]
     tiers = tiers[:1] if args.fast_only else tiers
     files = repository_files()
     t0 = time.perf_counter()
 
-    def baseline(tier, pytest_args):
+    def baseline(tier, pytest_args, timeout):
         with tempfile.TemporaryDirectory(prefix="eaglet-mutants-") as tmp:
             copy_repository(files, Path(tmp) / "repo")
-            passed, why, seconds = run_tests(Path(tmp) / "repo", pytest_args + ["tests"], args.timeout)
+            passed, why, seconds = run_tests(Path(tmp) / "repo", pytest_args + ["tests"], timeout)
         if not passed:
             sys.exit(f"error: the unchanged tests fail in the {tier} ({why}): fix them before seeding bugs")
         print(f"baseline: the unchanged {tier} passes ({seconds:.0f} s)", flush=True)
@@ -416,7 +421,7 @@ def main(argv=None):
               f"{seconds:.0f} s]", flush=True)
     shares = [mutants[i::args.jobs] for i in range(args.jobs)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = [r for rs in pool.map(lambda share: worker(files, share, tiers, args.timeout, report), shares)
+        results = [r for rs in pool.map(lambda share: worker(files, share, tiers, report), shares)
                    for r in rs]
     by_slow = [m.name for m, caught_by, _, _ in results if caught_by == "slow tier"]
     if by_slow and not args.no_baseline:  # a bug the slow tier caught counts only if the slow tier passes unchanged

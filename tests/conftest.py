@@ -21,8 +21,8 @@ VOCAB = 96  # w0 .. w91 plus four specials
 STAT_SAMPLES = int(os.environ.get("EAGLET_STAT_SAMPLES", "1000"))
 
 
-# The fast tier (pytest -m "not slow", about 90 s on 2 cores) checks the model, the cycle, the heads and sampling
-# in-process, each once. The slow tier adds the tools end to end (bench, training, torchrun), compiled runs and
+# The fast tier (pytest -n auto -m "not slow", about 90 s on 2 cores) checks the model, the cycle, the heads and
+# sampling, each once. The slow tier adds the tools end to end (bench, training, torchrun), the compiled cycles and
 # repeats on more formats: the tests marked slow where they are defined, and these cases, each of which repeats,
 # more slowly (int4 on a CPU, a random head), what a faster case of the same test checks.
 SLOW_CASES = ("test_speculative.py::test_greedy_speculative_equals_plain[random",

@@ -300,7 +300,7 @@ BAD_VALUES = {  # id: (config.json changes, what the one line must say)
 
 @pytest.mark.parametrize("case", list(BAD_VALUES))
 def test_config_value_is_refused_for_target_and_head(w, tmp_path, case):
-    """model.check_config_values: generate and convert refuse the target's config.json, generate the head's."""
+    """checkpoint.check_config_values: generate and convert refuse the target's config.json, generate the head's."""
     changes, match = BAD_VALUES[case]
     shutil.copytree(w.good.parent, tmp_path / "target")
     set_config(tmp_path / "target", **changes)

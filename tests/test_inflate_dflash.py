@@ -69,7 +69,8 @@ def test_each_layer_projects_the_demo_heads_q_k_and_v(scale):
     target, _, _, _ = inflate_demo.inflate(DEMO, REDUCED["llama3-like"])
     head, _ = inflate_demo.inflate_dflash(DEMO, target)
     lay = inflate_demo.Layout(small.args, head.args)
-    small.setup_caches(64), head.setup_caches(64)
+    small.setup_caches(64)
+    head.setup_caches(64)
     pos = torch.arange(5, 17)
     x = torch.randn(1, len(pos), small.args.dim, generator=torch.Generator().manual_seed(0)) * scale
     wide_x = torch.cat([x, torch.zeros(1, len(pos), head.args.dim - small.args.dim)], dim=-1)

@@ -9,7 +9,8 @@ OURS = {p.stem for p in SOURCES}
 
 
 def eaglet_imports(path: Path) -> tuple:
-    """(eaglet modules imported at the top level, those imported only inside a function) of one file."""
+    """(eaglet modules imported at the top level, those imported only inside a function) of one file. Top level:
+    at column 0 (no file imports under a module-level if or try)."""
     top, inside = set(), set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
@@ -33,10 +34,12 @@ def readme_table() -> dict:
         column = m.group(2).strip()
         inside = re.search(r"\(inside a function: ([^)]*)\)", column)
         top = re.sub(r"\(inside a function: [^)]*\)", "", column).strip()
-        names = lambda text: {n.strip() for n in text.split(",") if n.strip()} - {"none", "torch only",
-                                                                                 "the standard library only"}
-        table[m.group(1).split("/")[-1]] = (names(top), names(inside.group(1)) if inside else set())
+        table[m.group(1).split("/")[-1]] = (module_names(top), module_names(inside.group(1)) if inside else set())
     return table
+
+
+def module_names(text: str) -> set:
+    return {n.strip() for n in text.split(",") if n.strip()} - {"none", "torch only", "the standard library only"}
 
 
 def test_readme_file_table_lists_every_file_and_its_imports():
@@ -69,7 +72,7 @@ def test_top_level_imports_have_no_circle():
         visit(name)
 
 
-def test_the_model_builds_a_float_target_without_the_tools():
+def test_the_model_imports_only_attention_and_checkpoint():
     """model.py stands on attention.py and checkpoint.py alone: a fork reading the LLaMA reads only those."""
     assert eaglet_imports(ROOT / "model.py") == ({"attention", "checkpoint"}, {"quantize"})
     assert eaglet_imports(ROOT / "checkpoint.py") == (set(), set())

@@ -34,13 +34,12 @@ def test_a_bug_the_fast_tier_misses_is_run_against_the_slow_tier(tmp_path, monke
         "import pytest\nfrom calc import add\n\n\ndef test_small():\n    assert add(1, 1) == 2\n\n\n"
         "@pytest.mark.slow\ndef test_large():\n    assert add(2, 3) == 5\n")
     monkeypatch.setattr(mutants, "ROOT", project)
-    monkeypatch.setenv("PYTHONPATH", str(project))
     bugs = [mutants.Mutant("times", "calc.py", "a + b", "a * b"),  # add(1, 1) == 1: the fast tier fails
             mutants.Mutant("large only", "calc.py", "a + b", "a + b if a < 2 else 0"),  # only add(2, 3) is wrong
             mutants.Mutant("same sum", "calc.py", "a + b", "b + a")]  # no test can tell
-    tiers = [("fast tier", ["-m", "not slow"]), ("slow tier", ["-m", "slow"])]
+    tiers = [("fast tier", ["-m", "not slow"], 120), ("slow tier", ["-m", "slow"], 120)]
     seen = []
-    results = mutants.worker(["calc.py", "pytest.ini", "tests/test_calc.py"], bugs, tiers, 120,
+    results = mutants.worker(["calc.py", "pytest.ini", "tests/test_calc.py"], bugs, tiers,
                              lambda m, caught_by, why, s: seen.append(m.name))
     assert [(m.name, caught_by) for m, caught_by, _, _ in results] == \
         [("times", "fast tier"), ("large only", "slow tier"), ("same sum", None)]
