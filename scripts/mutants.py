@@ -428,7 +428,7 @@ def main(argv=None):
         baseline(*tiers[1])
     survivors = [m.name for m, caught_by, _, _ in results if not caught_by]
     print(f"\n{len(results) - len(survivors)} of {len(results)} seeded bugs caught, {len(by_slow)} of them only by "
-          f"the slow tier ({' then '.join(t for t, _ in tiers)}, {(time.perf_counter() - t0) / 60:.1f} min)")
+          f"the slow tier ({' then '.join(t for t, *_ in tiers)}, {(time.perf_counter() - t0) / 60:.1f} min)")
     if by_slow:
         print("caught only by the slow tier:\n  " + "\n  ".join(by_slow))
     if survivors:

@@ -24,8 +24,8 @@ def test_every_seeded_bug_is_found_once_in_the_code():
     assert len({m.name for m in mutants.MUTANTS}) == len(mutants.MUTANTS), "two bugs share a name"
 
 
-@pytest.mark.slow  # five pytest processes
-def test_a_bug_the_fast_tier_misses_is_run_against_the_slow_tier(tmp_path, monkeypatch):
+@pytest.mark.slow  # seven pytest processes
+def test_a_bug_the_fast_tier_misses_is_run_against_the_slow_tier(tmp_path, monkeypatch, capsys):
     project = tmp_path / "project"
     (project / "tests").mkdir(parents=True)
     (project / "calc.py").write_text("def add(a, b):\n    return a + b\n")
@@ -34,15 +34,17 @@ def test_a_bug_the_fast_tier_misses_is_run_against_the_slow_tier(tmp_path, monke
         "import pytest\nfrom calc import add\n\n\ndef test_small():\n    assert add(1, 1) == 2\n\n\n"
         "@pytest.mark.slow\ndef test_large():\n    assert add(2, 3) == 5\n")
     monkeypatch.setattr(mutants, "ROOT", project)
-    bugs = [mutants.Mutant("times", "calc.py", "a + b", "a * b"),  # add(1, 1) == 1: the fast tier fails
-            mutants.Mutant("large only", "calc.py", "a + b", "a + b if a < 2 else 0"),  # only add(2, 3) is wrong
-            mutants.Mutant("same sum", "calc.py", "a + b", "b + a")]  # no test can tell
-    tiers = [("fast tier", ["-m", "not slow"], 120), ("slow tier", ["-m", "slow"], 120)]
-    seen = []
-    results = mutants.worker(["calc.py", "pytest.ini", "tests/test_calc.py"], bugs, tiers,
-                             lambda m, caught_by, why, s: seen.append(m.name))
-    assert [(m.name, caught_by) for m, caught_by, _, _ in results] == \
-        [("times", "fast tier"), ("large only", "slow tier"), ("same sum", None)]
-    assert [why for _, _, why, _ in results][:2] == ["tests/test_calc.py::test_small", "tests/test_calc.py::test_large"]
-    assert seen == ["times", "large only", "same sum"]
+    monkeypatch.setattr(mutants, "repository_files", lambda: ["calc.py", "pytest.ini", "tests/test_calc.py"])
+    monkeypatch.setattr(mutants, "MUTANTS", [
+        mutants.Mutant("times", "calc.py", "a + b", "a * b"),  # add(1, 1) == 1: the fast tier fails
+        mutants.Mutant("large only", "calc.py", "a + b", "a + b if a < 2 else 0"),  # only add(2, 3) is wrong
+        mutants.Mutant("same sum", "calc.py", "a + b", "b + a")])  # no test can tell
+    with pytest.raises(SystemExit, match="survived:\n  same sum"):
+        mutants.main(["--jobs", "1", "--timeout", "120", "--slow_timeout", "120"])
+    out = capsys.readouterr().out
+    assert "baseline: the unchanged fast tier passes" in out and "baseline: the unchanged slow tier passes" in out
+    assert "caught   times  [fast tier: tests/test_calc.py::test_small" in out
+    assert "caught   large only  [slow tier: tests/test_calc.py::test_large" in out
+    assert "SURVIVED same sum  [every tier" in out
+    assert "2 of 3 seeded bugs caught, 1 of them only by the slow tier (fast tier then slow tier" in out
     assert (project / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"  # the copies were changed, not it
