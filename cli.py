@@ -35,7 +35,7 @@ def cli_parser(doc: str) -> argparse.ArgumentParser:
     """The tools' argument parser: --help shows every default; a usage mistake ends with one line,
     'error: ...', and exit status 1, like every other mistake."""
     p = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
-    p.error = lambda message: sys.exit(f"error: {message}" if not torchrun_rank() else 1)
+    p.error = lambda message: sys.exit(f"error: {message}" if not torchrun_rank() else after_rank_0(1))
     if torchrun_rank():  # --help and usage once, from rank 0
         p.print_help = p.print_usage = lambda *args, **kwargs: None
     return p
@@ -43,6 +43,17 @@ def cli_parser(doc: str) -> argparse.ArgumentParser:
 
 def grid_text(grid=TREE_GRID) -> str:
     return ", ".join(f"{d}/{k}/{n}" for d, k, n in grid)
+
+
+RANK_EXIT_WAIT_S = 10.0
+
+
+def after_rank_0(status: int = 1) -> int:
+    """A rank other than 0 ending on an error says nothing and first waits, so that rank 0 prints the error and
+    exits before it: torchrun stops every rank as soon as one fails, and would cut rank 0 off before its line."""
+    if torchrun_rank():
+        time.sleep(RANK_EXIT_WAIT_S)
+    return status
 
 
 def torchrun_rank():

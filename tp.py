@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cli import torchrun_rank
+from cli import after_rank_0, torchrun_rank
 from checkpoint import EagletError, load_state_dict
 from model import ModelArgs, Transformer
 from quantize import pop_quantization, use_quantized_linears
@@ -77,9 +77,12 @@ def finish(group, status=0):
         dist.destroy_process_group()
     if isinstance(status, str):
         print(status, file=sys.stderr)
+        status = 1
+    elif status:
+        status = after_rank_0(status)  # rank 0 prints and exits first
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status if isinstance(status, int) else 1)
+    os._exit(status)
 
 
 def agreed(group, fn: Callable, *args, **kwargs):
