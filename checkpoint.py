@@ -27,6 +27,11 @@ def read_config(checkpoint_dir) -> dict:
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise EagletError(f"no config.json in {checkpoint_dir}")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding one object, or one clear error (not JSON, not an object)."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -5,13 +5,12 @@ chat_template of tokenizer_config.json / chat_template.json) is rendered with ji
 Vicuna templates are built in for checkpoints that have none, and `chat_template_source` says which is used.
 Imports checkpoint.py (EagletError) only.
 """
-import json
 import re
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from checkpoint import EagletError
+from checkpoint import EagletError, read_json_object
 
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}"
@@ -31,15 +30,8 @@ BUILTIN_TEMPLATES = {"llama2": LLAMA2_CHAT_TEMPLATE, "vicuna": VICUNA_CHAT_TEMPL
 
 
 def read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EagletError(f"{path} is not valid JSON: {e}")
-    if not isinstance(config, dict):
-        raise EagletError(f"{path} is not a JSON object")
-    return config
+    """An optional JSON file of the checkpoint's folder: {} when it is not there."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def read_tokenizer(load, path: Path):
