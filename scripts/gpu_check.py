@@ -43,6 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
+import cuda_exact  # noqa: E402
+import decode  # noqa: E402
 import generate  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
 from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
@@ -57,6 +59,7 @@ import tune  # noqa: E402
 
 REDUCED = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
                num_key_value_heads=2, head_dim=128, max_position_embeddings=8192)  # as tests/test_inflate.py
+SHAPES = {**SHAPES, "reduced": REDUCED}  # --shapes reduced: a CPU dry run of a GPU call's sections
 GREEDY = SamplingConfig()
 PROMPT = "def read_lines(path):\n"
 # weight formats: None = the inflated weights as they are (bf16 on CUDA, fp32 on CPU); (mode, groupsize)
@@ -533,6 +536,16 @@ def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: lis
                        tree, prompt, 48)
 
 
+def exact_section(report: Report, device: str, budget_s: float) -> dict:
+    """cuda_exact.check_all, its rows written into the report after each way."""
+    name = "exact: the demo decoded every way against plain eager (greedy)"
+
+    def save(rows):
+        report.results[name] = rows
+        report.write()
+    return cuda_exact.check_all(device, budget_s=budget_s, save=save)
+
+
 def tensor_parallel_1(out: Path, device: str) -> dict:
     """The demo compiled under torchrun at world size 1 against one process: same tokens, both speeds."""
     import subprocess
@@ -590,6 +603,12 @@ def parse_args(argv=None):
                    help="also a random DFlash head shaped as the published ones (5 layers, blocks of 16) on each "
                         "shape's first format: its cycle phase by phase, as a chain of 16 and a 32-token tree; and "
                         "the demo's DFlash head inflated, end to end against plain with its tau (chain 8, tree 16)")
+    p.add_argument("--exact", action="store_true",
+                   help="first: the demo decoded every way a user can run it (plain, EAGLE-2/3, DFlash chain and tree, "
+                        "compiled or eager, running ahead or not, several prompts, int4) against plain eager, token "
+                        "for token, in bf16 and fp32 (scripts/cuda_exact.py)")
+    p.add_argument("--exact_budget_s", type=int_flag(1), default=240,
+                   help="--exact starts no new way after this many seconds")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -648,8 +667,13 @@ def main(argv=None):
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
                                "flex_attention": attention.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
-                               "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash}
+                               "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash,
+                               "run_ahead": decode.RUN_AHEAD}
     report.section("environment", environment, device)
+    if args.exact:
+        report.section("exact: the demo decoded every way against plain eager (greedy)", exact_section, report, device,
+                       args.exact_budget_s)
+        release_memory(device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
     if not (args.plain_only or args.skip_checks):
         run_checks(report, device, dtype, tree, prompt)
