@@ -59,7 +59,9 @@ def block_mask(mask: Tensor, mask_mod=None) -> BlockMask:
     """The boolean mask [T, S] as a BlockMask for flex_attention: the same attention, but the kernel reads
     only the KV blocks in which some query sees a slot (the filled context and the block's own slots), so
     a step's cost follows the context, not the cache size. Fixed shapes: one compiled graph for all lengths.
-    mask_mod decides inside partial blocks (default: reads the mask; another must say the same as the mask)."""
+    mask_mod decides inside partial blocks (default: reads the mask; another must say the same as the mask).
+    (`mask_mod or read_mask` would not do: torch 2.11's dynamo cannot take the truth of a function, and the
+    compiled plain step on CUDA failed to compile so, seen on an H200.)"""
     n_q, n_kv = mask.shape
     q_blocks, kv_blocks = -(-n_q // KV_BLOCK), -(-n_kv // KV_BLOCK)
     q_pad, kv_pad = q_blocks * KV_BLOCK - n_q, kv_blocks * KV_BLOCK - n_kv
@@ -77,7 +79,7 @@ def block_mask(mask: Tensor, mask_mod=None) -> BlockMask:
         return padded[q_idx, kv_idx]
 
     return BlockMask.from_kv_blocks(*listed(partial), *listed(every), BLOCK_SIZE=KV_BLOCK,
-                                    mask_mod=mask_mod or read_mask, seq_lengths=(n_q, n_kv))
+                                    mask_mod=read_mask if mask_mod is None else mask_mod, seq_lengths=(n_q, n_kv))
 
 
 def decode_block_mask(input_pos: Tensor, n_kv: int) -> BlockMask:

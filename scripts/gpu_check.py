@@ -536,14 +536,15 @@ def run_checks(report: Report, device: str, dtype, tree: TreeConfig, prompt: lis
                        tree, prompt, 48)
 
 
-def exact_section(report: Report, device: str, budget_s: float) -> dict:
+def exact_section(report: Report, device: str, budget_s: float, only: str = "") -> dict:
     """cuda_exact.check_all, its rows written into the report after each way."""
     name = "exact: the demo decoded every way against plain eager (greedy)"
 
     def save(rows):
         report.results[name] = rows
         report.write()
-    return cuda_exact.check_all(device, budget_s=budget_s, save=save)
+    plan = [(target, way) for target, way in cuda_exact.PLAN if only in way]
+    return cuda_exact.check_all(device, plan, budget_s=budget_s, save=save)
 
 
 def tensor_parallel_1(out: Path, device: str) -> dict:
@@ -609,6 +610,8 @@ def parse_args(argv=None):
                         "for token, in bf16 and fp32 (scripts/cuda_exact.py)")
     p.add_argument("--exact_budget_s", type=int_flag(1), default=240,
                    help="--exact starts no new way after this many seconds")
+    p.add_argument("--exact_only", default="",
+                   help="--exact checks only the ways whose name holds this text (e.g. 'plain')")
     p.add_argument("--hf", action="store_true",
                    help="transformers' generate beside the first shape's first format, if unquantized (slow)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -672,7 +675,7 @@ def main(argv=None):
     report.section("environment", environment, device)
     if args.exact:
         report.section("exact: the demo decoded every way against plain eager (greedy)", exact_section, report, device,
-                       args.exact_budget_s)
+                       args.exact_budget_s, args.exact_only)
         release_memory(device)
     prompt = Tokenizer(DEMO_DIR / "target").encode(PROMPT)
     if not (args.plain_only or args.skip_checks):
