@@ -515,3 +515,29 @@ def test_bench_batch_sizes_sweep(tmp_path, capsys):
 @pytest.mark.parametrize("sizes", ["2,1", "0,1", "1,x"])
 def test_bench_batch_sizes_must_increase(sizes):
     expect_error(["--model", "tiny", "--batch_sizes", sizes], "--batch_sizes", main=bench.main)
+
+
+@pytest.mark.slow
+def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
+    """scripts/cuda_exact.py (gpu_check --exact) on a CPU: fp32 ways, eager and compiled, give plain eager's tokens;
+    a bf16 difference, if any, is reported at its first position with a top-2 gap that makes it a near-tie."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import cuda_exact
+    assert cuda_exact.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert cuda_exact.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert cuda_exact.first_difference([1, 2, 3], [1, 2]) == 2
+    plan = [("fp32", "EAGLE-2, eager"), ("fp32", "DFlash tree 16, compiled"), ("bf16", "EAGLE-3, compiled"),
+            ("fp32", "EAGLE-2, 3 prompts at once, compiled")]
+    saved = []
+    rows = cuda_exact.check_all("cpu", plan, n_tokens=64, budget_s=3600, save=saved.append)
+    ways = rows["ways"]
+    assert list(ways) == [f"{target}: {way}" for target, way in plan] and saved
+    for key, row in ways.items():
+        assert "error" not in row, row
+        assert row["tau"] > 1.2  # the demo's heads accept for real
+        if key.startswith("fp32"):
+            assert row["same_tokens"], row
+        for diff in (v for k, v in row.items() if k.startswith("prompt")):
+            assert diff["top2_gap"] < 0.1, diff
+    assert rows["all_checked_and_same"] == (not rows["differ_or_failed"])
