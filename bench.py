@@ -145,6 +145,7 @@ from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settin
                     verify, weight_bytes, weights_format)
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, load_draft,  # noqa: E402
                       load_target, pick_device)
+from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_draft import read_questions  # noqa: E402
@@ -837,6 +838,8 @@ def main(argv=None):
     try:
         tree = flags_tree(args, DraftHead)
         check_lengths(args, tree)  # before loading; again once the head's own depth is known
+        if args.checkpoint_path is not None:  # the file, or its folder (the tokenizer is read beside it)
+            args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
         device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if device == "cuda" else "fp32")
         group = tp.start(device)

@@ -8,6 +8,7 @@ Imports torch and nothing of eaglet: every other file may import this one.
 import json
 import math
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -95,3 +96,34 @@ def mismatch_detail(e: RuntimeError, limit: int = 600) -> str:
     """load_state_dict's multi-line error on one line, keeping which tensors and which shapes."""
     detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip()) or str(e)
     return detail if len(detail) <= limit else detail[:limit] + " ..."
+
+
+def converted_files(folder: Path, name: str) -> list:
+    """The converted checkpoints of one kind in a folder: name itself (model.pth, draft.pth) and the quantized
+    files quantize.py writes beside it (model_int8.pth, model_int4.g32.pth, ...)."""
+    stem = re.escape(Path(name).stem)
+    return sorted(p for p in folder.glob("*.pth") if re.fullmatch(stem + r"(_int8|_int4\.g\d+)?\.pth", p.name))
+
+
+def converted_file(path, name: str) -> Path:
+    """A converted checkpoint given as the file or as its folder. A folder must hold exactly one checkpoint of the
+    kind name says (model.pth or draft.pth, or one quantized file in its place): several are refused by name,
+    as is a Hugging Face file or folder, with the command that converts it."""
+    path = Path(path)
+    convert = "convert it first: python convert_hf_checkpoint.py --checkpoint_dir"
+    if path.is_dir():
+        found = converted_files(path, name)
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise EagletError(f"{path} holds {len(found)} checkpoints ({', '.join(p.name for p in found)}): "
+                              "give the file itself")
+        others = sorted(p.name for p in path.glob("*.pth"))
+        if others:
+            raise EagletError(f"no {name} in {path}; it holds {', '.join(others)}: give the file itself")
+        if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
+            raise EagletError(f"{path} holds Hugging Face weights, not a converted {name}: {convert} {path}")
+        raise EagletError(f"no {name} in {path} ({convert} on the model's folder)")
+    if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
+        raise EagletError(f"{path} is a Hugging Face weights file, not a converted {name}: {convert} {path.parent}")
+    return path

@@ -180,7 +180,7 @@ from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settin
                     weights_format)
 from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
 from head_formats import head_config, load_head, read_draft_vocab  # noqa: E402
-from checkpoint import EagletError, read_config  # noqa: E402
+from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
@@ -204,25 +204,6 @@ def pick_device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise EagletError("--device cuda was asked for but no CUDA device is available")
     return name
-
-
-def converted_file(path, name: str) -> Path:
-    """A converted checkpoint given as the file or as its folder (holding name: model.pth or draft.pth);
-    a Hugging Face file or folder is refused with the command that converts it."""
-    path = Path(path)
-    convert = "convert it first: python convert_hf_checkpoint.py --checkpoint_dir"
-    if path.is_dir():
-        if (path / name).is_file():
-            return path / name
-        others = sorted(p.name for p in path.glob("*.pth"))
-        if others:
-            raise EagletError(f"no {name} in {path}; it holds {', '.join(others)}: give the file itself")
-        if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
-            raise EagletError(f"{path} holds Hugging Face weights, not a converted {name}: {convert} {path}")
-        raise EagletError(f"no {name} in {path} ({convert} on the model's folder)")
-    if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
-        raise EagletError(f"{path} is a Hugging Face weights file, not a converted {name}: {convert} {path.parent}")
-    return path
 
 
 def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0, group=None) -> Transformer:
@@ -424,6 +405,10 @@ def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeCon
         print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
               f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "
               "stays exact)")
+    if any(getattr(m, "packed_for", None) == "cpu, dequantized" for m in model.modules()):
+        print(f"note: int4 weights in fp32 on a CPU are kept dequantized, the same values (torch's CPU int4 kernel "
+              f"is fast with bf16 activations only): {weight_bytes(model) / 1e9:.2f} GB in memory; --precision bf16 "
+              "keeps them 4-bit")
     quantized = [weights_format(m) for m in (model, draft) if m is not None and weights_format(m).startswith("int")]
     if args.device == "cpu" and quantized and args.precision != "bf16":
         print(f"note: on a CPU, quantized weights ({quantized[0]}) are fast with bf16 activations only (torch's CPU "

@@ -54,7 +54,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from checkpoint import QUANT_KEY, EagletError, load_state_dict  # noqa: E402
+from checkpoint import QUANT_KEY, EagletError, converted_file, converted_files, load_state_dict  # noqa: E402
 
 QUANT_FORMAT_VERSION = 1  # of the record a quantized file holds under QUANT_KEY; a newer one is refused
 EMBEDDINGS = ("tok_embeddings.weight", "embed.weight")  # the only 2-D weights that are not Linears
@@ -141,8 +141,23 @@ class Int4Linear(nn.Module):
         self.bias = frozen(torch.empty(out_features)) if bias else None
         self.packed_for: Optional[str] = None
 
+    def dequantize(self) -> Tensor:
+        """The weight [out, in] as floats: (q - 8) * scale + zero in the scales' dtype (before pack())."""
+        values = torch.stack([self.weight >> 4, self.weight & 15], dim=-1).view(self.out_features, -1)
+        scales, zeros = (t.repeat_interleave(self.groupsize, dim=1) for t in (self.scales, self.zeros))
+        return (values.to(scales.dtype) - 8) * scales + zeros
+
     def pack(self):
         device = self.weight.device.type
+        if device == "cpu" and self.scales.dtype == torch.float32:
+            # fp32 activations on a CPU: torch's int4 kernel is vectorized for bf16 only, and its fp32 scalar loop
+            # ran 20x slower than the same weights as floats (BENCHMARKS.md). So the weight is kept dequantized:
+            # exact, since (q - 8) times a bf16 scale is exact in fp32 and the zero is added with one rounding,
+            # as the kernel does.
+            self.weight = frozen(self.dequantize())
+            del self.scales, self.zeros
+            self.packed_for = "cpu, dequantized"
+            return
         convert, _ = int4_kernel(device)
         if device == "cuda" and torch.cuda.get_device_capability(self.weight.device) < (8, 0):
             raise EagletError(f"int4 runs on tinygemm, which needs an Ampere or newer GPU (compute capability 8.0); "
@@ -159,6 +174,8 @@ class Int4Linear(nn.Module):
         self.packed_for = device
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.packed_for == "cpu, dequantized" and x.device.type == "cpu":
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
         if self.packed_for != x.device.type:
             raise EagletError(f"int4 weights packed for {self.packed_for} got input on {x.device.type}: "
                               "load the model on the device it runs on")
@@ -347,9 +364,9 @@ def quantize_state_dict(state_dict: dict, mode: str, groupsize: int = 128) -> di
 
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwrite: bool = False, log=print) -> Path:
     checkpoint_path = Path(checkpoint_path)
-    if checkpoint_path.is_dir():  # a converted folder: its model.pth, or a head folder's draft.pth
-        checkpoint_path = next((checkpoint_path / n for n in ("model.pth", "draft.pth")
-                                if (checkpoint_path / n).is_file()), checkpoint_path / "model.pth")
+    if checkpoint_path.is_dir():  # a converted folder: its one target checkpoint, or a head folder's draft.pth
+        is_head = not converted_files(checkpoint_path, "model.pth") and converted_files(checkpoint_path, "draft.pth")
+        checkpoint_path = converted_file(checkpoint_path, "draft.pth" if is_head else "model.pth")
     if not checkpoint_path.is_file():
         raise EagletError(f"checkpoint not found: {checkpoint_path} (convert_hf_checkpoint.py writes it)")
     if checkpoint_path.suffix in (".safetensors", ".bin"):

@@ -76,7 +76,7 @@ class TrainConfig:
 
 def parse_args(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth")
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="the target's model.pth (or its folder)")
     p.add_argument("--data", nargs="+", required=True, help="text files and/or FastChat .jsonl question files")
     p.add_argument("--out_dir", type=Path, required=True, help="where the head (and train_state.pt) go")
     p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
@@ -126,7 +126,7 @@ from convert_hf_checkpoint import export_layer  # noqa: E402
 from draft import DFlashDraft, DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
-from checkpoint import EagletError, mismatch_detail, read_config  # noqa: E402
+from checkpoint import EagletError, converted_file, mismatch_detail, read_config  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize import Int8Linear  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -881,6 +881,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+        args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")  # the file, or its folder
         check_out_dir(args.out_dir)
         if args.out_dir.resolve() == args.checkpoint_path.resolve().parent:
             raise EagletError(f"--out_dir {args.out_dir} is the target's own folder: the head would overwrite it")

@@ -150,14 +150,41 @@ def test_checkpoint_folders_are_accepted_and_hugging_face_files_refused(spec_pai
     for f in ("config.json", "model.safetensors"):
         (hf_only / f).write_bytes((target / f).read_bytes())
     expect_error(["--checkpoint_path", str(hf_only)] + base, f"{hf_only} holds Hugging Face weights")
-    (hf_only / "model_int8.pth").write_bytes(b"")
+    (hf_only / "notes.pth").write_bytes(b"")
     expect_error(["--checkpoint_path", str(hf_only)] + base, "no model.pth in")
-    expect_error(["--checkpoint_path", str(hf_only)] + base, "it holds model_int8.pth: give the file itself")
+    expect_error(["--checkpoint_path", str(hf_only)] + base, "it holds notes.pth: give the file itself")
+
+
+def test_a_folder_of_one_converted_checkpoint_is_that_file_and_of_several_refused(spec_pair, tmp_path):
+    """A folder holding one target checkpoint, model.pth or a quantized file alone (what a GGUF file converts
+    into), is taken as that file by every tool; a folder holding several is refused, naming them."""
+    import shutil
+    from quantize import quantize_checkpoint
+    target, head = spec_pair
+    folder = tmp_path / "target"
+    shutil.copytree(target, folder)
+    int8 = quantize_checkpoint(folder / "model.pth", "int8", log=lambda s: None)
+    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu", "--draft_checkpoint_path", str(head)]
+    expect_error(["--checkpoint_path", str(folder)] + base,
+                 f"{folder} holds 2 checkpoints (model.pth, model_int8.pth): give the file itself")
+    by_file = run_cli(tmp_path, ["--checkpoint_path", str(int8)] + base)
+    (folder / "model.pth").unlink()
+    by_folder = run_cli(tmp_path, ["--checkpoint_path", str(folder)] + base)
+    assert by_folder["tokens"] == by_file["tokens"] and by_folder["cycles"] == by_file["cycles"] > 0
+    import bench
+    import quantize
+    import train_draft
+    for tool, argv in ((bench, ["--checkpoint_path", str(folder), "--draft_checkpoint_path", str(head)]),
+                       (train_draft, ["--checkpoint_path", str(folder), "--data", str(folder / "config.json"),
+                                      "--out_dir", str(tmp_path / "out")]),
+                       (quantize, ["--checkpoint_path", str(folder), "--mode", "int4"])):
+        (folder / "model.pth").write_bytes(b"")  # a second checkpoint: the folder is refused before any work
+        expect_error(argv, "holds 2 checkpoints (model.pth, model_int8.pth): give the file itself", tool.main)
 
 
 def test_generate_takes_one_prompt(checkpoints):
     path, _ = checkpoints("llama2")
-    model = generate.load_target(path, "cpu", "fp32", 64)
+    model = generate.load_target(path / "model.pth", "cpu", "fp32", 64)
     sampling = generate.SamplingConfig()
     as_list = generate.generate(model, [1, 5, 6], 4, sampling).tokens
     assert generate.generate(model, torch.tensor([[1, 5, 6]]), 4, sampling).tokens == as_list
@@ -167,7 +194,7 @@ def test_generate_takes_one_prompt(checkpoints):
 
 def test_a_too_small_cache_is_refused_before_the_prompt_is_echoed(checkpoints, capsys):
     path, _ = checkpoints("llama2")
-    expect_error(["--checkpoint_path", str(path), "--prompt", "w5 w6", "--max_new_tokens", "50",
+    expect_error(["--checkpoint_path", str(path / "model.pth"), "--prompt", "w5 w6", "--max_new_tokens", "50",
                   "--max_seq_length", "20", "--device", "cpu"], "exceeds --max_seq_length (20)")
     assert "w5 w6" not in capsys.readouterr().out
 

@@ -1,6 +1,8 @@
 """Quantized targets and heads (quantize.py): the stored values against the weights they came from, the
 quantized Linears against a dequantize-then-matmul reference, the whole model against transformers on the
 dequantized weights, and EAGLE on a quantized target lossless against plain decoding of the same target."""
+from pathlib import Path
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -62,6 +64,13 @@ def hf_twin_of(checkpoint_path, tmp_path):
     assert not unexpected and all("lm_head" in k or "rotary" in k for k in missing), (missing, unexpected)
     hf.save_pretrained(tmp_path)
     return hf
+
+
+def own_copy(checkpoints, kind: str, tmp_path):
+    """The session's converted checkpoint folder of this kind, copied: quantized files written beside its model.pth
+    stay out of the shared folder, which other tests give as a folder (of one checkpoint)."""
+    import shutil
+    return Path(shutil.copytree(checkpoints(kind)[0], tmp_path / f"own_{kind}"))
 
 
 def quantized_linear(mode: str, groupsize: int, dtype) -> tuple:
@@ -147,15 +156,23 @@ def test_bf16_on_a_cpu_runs_torchs_kernel_not_a_dequantized_weight(mode, groupsi
 @pytest.mark.parametrize("mode,groupsize", MODES[:2], ids=MODE_IDS[:2])
 def test_quantized_target_matches_transformers_on_dequantized_weights(checkpoints, tmp_path, capsys, kind, mode,
                                                                       groupsize):
-    path, _ = checkpoints(kind)
+    path = own_copy(checkpoints, kind, tmp_path)
     out_path = quantize_cli(path / "model.pth", mode, groupsize, "--overwrite")
     assert out_path.name == ("model_int8.pth" if mode == "int8" else f"model_int4.g{groupsize}.pth")
     assert capsys.readouterr().out.count("quantized layers.") == 2  # progress, layer by layer
-    model = load_target(out_path, "cpu", "fp32", 64)
+    model = load_target(out_path, "cpu", "bf16", 64)
     assert model.quantization["mode"] == mode and model.quantization["groupsize"] == groupsize
     assert isinstance(model.output, Int8Linear)  # the lm_head is int8 in both modes, tied or not
     linear = Int8Linear if mode == "int8" else Int4Linear
     assert isinstance(model.layers[0].attention.wqkv, linear) and isinstance(model.layers[1].feed_forward.w2, linear)
+    assert getattr(model.layers[1].feed_forward.w2, "packed_for", "cpu") == "cpu"  # bf16: torch's kernel
+    model = load_target(out_path, "cpu", "fp32", 64)
+    assert isinstance(model.output, Int8Linear)
+    assert isinstance(model.layers[0].attention.wqkv, linear) and isinstance(model.layers[1].feed_forward.w2, linear)
+    if mode == "int4":  # in fp32 on a CPU kept dequantized (torch's kernel is fast in bf16 only): the stored values
+        w2 = model.layers[1].feed_forward.w2
+        assert w2.packed_for == "cpu, dequantized"
+        assert torch.equal(w2.weight, dequantize(model_module.load_state_dict(out_path))["layers.1.feed_forward.w2.weight"])
     hf = hf_twin_of(out_path, tmp_path)
     tokens = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 2, 30]])
     pos = torch.arange(tokens.shape[1])
@@ -165,15 +182,16 @@ def test_quantized_target_matches_transformers_on_dequantized_weights(checkpoint
     assert (ours - want).abs().max() < 1e-4
 
 
-def test_weight_bytes_count_quantized_bytes_as_stored(checkpoints):
+def test_weight_bytes_count_quantized_bytes_as_stored(checkpoints, tmp_path):
     """A Linear reads its values, scales and zeros (fp32 on CPU); an untied embedding one row."""
-    path, _ = checkpoints("llama2")
+    path = own_copy(checkpoints, "llama2", tmp_path)
     a = ModelArgs.from_checkpoint_dir(path)
     linears = [(3 * a.dim, a.dim), (a.dim, a.dim), (2 * a.intermediate_size, a.dim), (a.dim, a.intermediate_size)]
     norms = (2 * a.n_layer + 1) * a.dim * 4
     embedding_row, lm_head = a.dim * 4, (a.vocab_size * a.dim, a.vocab_size * 4)
     int8 = a.n_layer * sum(n * k + 4 * n for n, k in linears) + sum(lm_head) + norms + embedding_row
-    int4 = a.n_layer * sum(n * k // 2 + 2 * 4 * n * k // 32 for n, k in linears) + sum(lm_head) + norms + embedding_row
+    # int4 in fp32 on a CPU is kept dequantized (torch's int4 kernel is fast in bf16 only): 4 bytes a weight
+    int4 = a.n_layer * sum(4 * n * k for n, k in linears) + sum(lm_head) + norms + embedding_row
     for mode, groupsize, expected in [("int8", 0, int8), ("int4", 32, int4)]:
         model = load_target(quantize_cli(path / "model.pth", mode, groupsize, "--overwrite"), "cpu", "fp32")
         assert weight_bytes(model) == expected
@@ -277,7 +295,7 @@ def test_speculative_sampling_on_quantized_target_matches_its_distribution(tmp_p
 
 
 def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
-    path, _ = checkpoints("llama2")  # hidden 64, intermediate 96: groupsize 64 does not divide 96
+    path = own_copy(checkpoints, "llama2", tmp_path)  # hidden 64, intermediate 96: groupsize 64 does not divide 96
     model_pth = path / "model.pth"
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int3"], "invalid choice", main=quantize.main)
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int4", "--groupsize", "100"], "invalid choice",
@@ -305,7 +323,9 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
                      main=quantize.main)
     out = quantize_cli(model_pth, "int8", 0, "--overwrite")
     out.unlink()
-    quantize.main(["--checkpoint_path", str(path), "--mode", "int8"])  # the folder: its model.pth
+    for other in path.glob("model_*.pth"):  # the folder holds one checkpoint, model.pth: the folder is that file
+        other.unlink()
+    quantize.main(["--checkpoint_path", str(path), "--mode", "int8"])
     before = out.read_bytes()
     expect_error(["--checkpoint_path", str(model_pth), "--mode", "int8"], "exists; give --overwrite",
                  main=quantize.main)
@@ -329,7 +349,7 @@ def test_quantize_errors(checkpoints, tmp_path, monkeypatch):
     expect_error(["--checkpoint_path", str(newer), *base], "format version 99, newer than this eaglet reads")
     int4 = quantize_cli(model_pth, "int4", 32, "--overwrite")
     monkeypatch.setitem(quantize.INT4_KERNELS, "cpu", ("_no_such_pack", "_no_such_mm"))
-    expect_error(["--checkpoint_path", str(int4), *base], "has no int4 kernel for cpu")
+    expect_error(["--checkpoint_path", str(int4), *base, "--precision", "bf16"], "has no int4 kernel for cpu")
 
 
 def test_quantized_files_run_through_the_cli(quantized_pairs, tmp_path, capsys):
@@ -353,7 +373,7 @@ def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
     import train_draft
     from convert_hf_checkpoint import main as convert_main
     from test_train_draft import corpus
-    target_dir, _ = checkpoints("llama8")
+    target_dir = own_copy(checkpoints, "llama8", tmp_path)
     int4 = quantize_cli(target_dir / "model.pth", "int4", 32, "--overwrite")
     out = tmp_path / "head3"
     argv = ["--checkpoint_path", str(int4), "--data", str(corpus(tmp_path / "corpus.txt")), "--out_dir", str(out),
@@ -370,7 +390,7 @@ def test_training_a_head_on_a_quantized_target(checkpoints, tmp_path):
 
 
 def test_a_damaged_int4_file_is_refused_by_name(checkpoints, tmp_path):
-    path, _ = checkpoints("llama2")
+    path = own_copy(checkpoints, "llama2", tmp_path)
     sd = torch.load(quantize_cli(path / "model.pth", "int4", 32, "--overwrite"), weights_only=True)
     scales = sd["layers.0.attention.wo.scales"]
     sd["layers.0.attention.wo.scales"] = torch.cat([scales, scales[:, :1]], dim=1)  # 3 groups of 64 inputs
