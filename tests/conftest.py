@@ -379,6 +379,18 @@ def scripted_input(lines):
     return fake_input
 
 
+def assert_close_in_scale(got, want, ulps: int = 64):
+    """got equals want up to float rounding: within ulps units in the last place of want's largest magnitude.
+    The same math computed in another shape (a wider matmul, a batch against one row, another implementation)
+    rounds differently with the CPU's vector width and the order of its sums, so a fixed atol that one machine
+    meets fails on another (1 of 3072 elements 1.5e-6 off on an AVX-512 Xeon against atol 1e-6); a bound in
+    the values' own scale holds on any machine and still fails any real mistake, which is of that scale."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    bound = ulps * torch.finfo(want.dtype).eps * want.abs().max().item()
+    error = (got - want).abs().max().item()
+    assert error <= bound, f"off by {error:.3g}, more than {ulps} ulps of the values' scale ({bound:.3g})"
+
+
 def expect_error(argv, match, main=None):
     """Run a CLI's main(argv) and check that it exits with one line, 'error: ...', containing match."""
     if main is None:
