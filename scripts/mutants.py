@@ -299,6 +299,10 @@ MUTANTS = [
       "q = torch.stack([qs & 15, qs >> 4], dim=2)", "q = torch.stack([qs >> 4, qs & 15], dim=2)"),
     M("gguf: sentencepiece merges ranked lowest score first", "convert_gguf.py", "    merges.sort()\n",
       "    merges.sort(reverse=True)\n"),
+    M("checkpoint folder: of two checkpoints, the first taken instead of both refused", "checkpoint.py",
+      "        if len(found) == 1:\n", "        if found:\n"),
+    M("int4 in fp32 on a CPU: dequantized around 7, not 8", "quantize.py",
+      "return (values.to(scales.dtype) - 8) * scales + zeros", "return (values.to(scales.dtype) - 7) * scales + zeros"),
 ]
 
 
