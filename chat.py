@@ -26,8 +26,9 @@ class TextStreamer:
     whole continuation: the prompt's text followed by it is what was printed. With stop strings, the text
     ends before the first one, and a call returns how many of its new tokens to keep (generate() stops)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True, stop=()):
+    def __init__(self, tokenizer: Tokenizer, prompt_tokens: list, enabled: bool = True, stop=(), write=None):
         self.tokenizer, self.enabled, self.stop = tokenizer, enabled, [s for s in stop or () if s]
+        self.write = write or (lambda text: print(text, end="", flush=True))  # serve.py: into the reply's stream
         self.tokens = [t for t in prompt_tokens[-1:] if t not in tokenizer.eos_ids]
         self.skip = len(tokenizer.decode(self.tokens))
         self.text, self.printed = "", 0
@@ -55,8 +56,8 @@ class TextStreamer:
 
     def flush(self, upto: Optional[int] = None):
         upto = len(self.text) if upto is None else max(upto, self.printed)
-        if self.enabled:
-            print(self.text[self.printed:upto], end="", flush=True)
+        if self.enabled and upto > self.printed:
+            self.write(self.text[self.printed:upto])
         self.printed = upto
 
 

@@ -39,8 +39,9 @@ def json_object(text: str) -> dict:
     return value
 
 
-def parse_args(argv=None):
-    p = cli_parser(__doc__)
+def model_flags(p):
+    """The flags that say what runs and how: the target, the head and its tree, device, precision, compilation,
+    the chat template and the cache (generate.py's, and serve.py's: one definition)."""
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth written by convert_hf_checkpoint.py (or quantize.py), or its folder "
                         "(default: the demo in demo/)")
@@ -66,6 +67,39 @@ def parse_args(argv=None):
                         "of its cycle) and keep the most tokens/s = tau / cycle time; the choice is kept in "
                         "$EAGLET_CACHE/tree_choice.json (~/.cache/eaglet/) for this target, head, device, format and "
                         "precision, and later runs read it")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
+    p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
+    p.add_argument("--chat_template", default="auto",
+                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2, vicuna, "
+                        "or a .jinja file")
+    p.add_argument("--chat_template_kwargs", type=json_object, default=None,
+                   help='extra variables for the chat template, as JSON, e.g. \'{"enable_thinking": false}\' (Qwen3)')
+    p.add_argument("--max_seq_length", type=int_flag(1), default=None,
+                   help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
+    return p
+
+
+def check_model_flags(p, args):
+    """model_flags' defaults and checks: the demo when no target is given, --no_draft, --tree auto."""
+    args.demo = args.checkpoint_path is None
+    if args.demo:  # a small code model and its head, shipped in demo/
+        if not (DEMO_DIR / "target" / "model.pth").is_file():
+            p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
+        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
+        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
+    if args.no_draft:
+        args.draft_checkpoint_path = None
+    if args.tree == "auto":
+        given = [f for f in ("depth", "tree_topk", "total_tokens") if getattr(args, f) is not None]
+        if given:
+            p.error(f"--tree auto picks depth, tree_topk and total_tokens itself: leave out --{given[0]}")
+        if not args.draft_checkpoint_path:
+            p.error("--tree auto tunes the draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
+
+
+def parse_args(argv=None):
+    p = model_flags(cli_parser(__doc__))
     p.add_argument("--prompt", type=utf8_text, action="append", default=None,
                    help=f"the prompt (default: {DEMO_PROMPT!r}); give it several times to decode several prompts")
     p.add_argument("--prompt_file", type=Path, default=None,
@@ -81,33 +115,18 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
     p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--chat_template", default="auto",
-                   help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2, vicuna, "
-                        "or a .jinja file")
-    p.add_argument("--chat_template_kwargs", type=json_object, default=None,
-                   help='extra variables for the chat template, as JSON, e.g. \'{"enable_thinking": false}\' (Qwen3)')
     p.add_argument("--stop", type=utf8_text, action="append", default=None,
                    help="end the reply where this text appears, cut before it (repeatable)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
-    p.add_argument("--max_seq_length", type=int_flag(1), default=None,
-                   help="cache size; default: what the prompt and max_new_tokens need, or 4096 with --interactive")
     p.add_argument("--json_out", type=Path, default=None,
                    help="write the prompt's tokens and each sample's tokens, text, tokens/s, accept lengths and tau "
                         "as JSON, with their means (several prompts: a list of such objects)")
     args = p.parse_args(argv)
-    args.demo = args.checkpoint_path is None
-    if args.demo:  # a small code model and its head, shipped in demo/
-        if not (DEMO_DIR / "target" / "model.pth").is_file():
-            p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
-        if args.chat or args.interactive:
-            p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
-                    "chat model (--checkpoint_path)")
-        args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
-        args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
+    if args.checkpoint_path is None and (args.chat or args.interactive):
+        p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
+                "chat model (--checkpoint_path)")
+    check_model_flags(p, args)
     if args.system is not None and not (args.chat or args.interactive):
         p.error("--system needs --chat or --interactive")
     if args.chat_template_kwargs is not None and not (args.chat or args.interactive):
@@ -127,14 +146,6 @@ def parse_args(argv=None):
         p.error(f"prompt {empty[0]} of {len(args.prompts)} is empty")
     if args.interactive and torchrun_rank() is not None:
         p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
-    if args.no_draft:
-        args.draft_checkpoint_path = None
-    if args.tree == "auto":
-        given = [f for f in ("depth", "tree_topk", "total_tokens") if getattr(args, f) is not None]
-        if given:
-            p.error(f"--tree auto picks depth, tree_topk and total_tokens itself: leave out --{given[0]}")
-        if not args.draft_checkpoint_path:
-            p.error("--tree auto tunes the draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
     args.prompts = args.prompts or [DEMO_PROMPT]
     args.prompt = args.prompts[0]
     args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)

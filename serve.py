@@ -1,0 +1,448 @@
+"""eaglet behind an OpenAI-compatible HTTP server: any chat front end, editor plugin or agent framework that speaks
+OpenAI's wire protocol can use the speculative decoder, and a greedy reply is the text generate.py prints.
+
+    python serve.py                                              # the shipped demo on 127.0.0.1:8000
+    python serve.py --checkpoint_path checkpoints/meta-llama/Llama-2-7b-chat-hf \\
+        --draft_checkpoint_path checkpoints/yuhuili/EAGLE-llama2-chat-7B --compile --api_key secret
+
+One engine thread owns the model and runs requests in arrival order from a bounded queue (full: 503 at once);
+the HTTP side only parses, checks, queues and streams. A stream sends one chunk per cycle (the tokens a cycle
+emits arrive together). A client that goes away stops its generation at the end of the cycle under way. The
+last request's tokens stay in the cache: a request that extends them (the next turn of a chat) prefills only
+its new tokens and says so in usage.prompt_tokens_details.cached_tokens. docs/serve.md has the details.
+"""
+import asyncio
+import hmac
+import json
+import math
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+import generate
+from chat import TextStreamer, warm_up
+from checkpoint import EagletError
+from cli import cli_parser, int_flag
+from decode import SamplingConfig, compile_settings, compile_step, decode_one_token, speculative_cycle
+
+PAGE = Path(__file__).resolve().parent / "serve.html"
+MAX_BODY = 1 << 20  # bytes of a request body
+REFUSED = {"n": "n > 1 (one reply a request)", "logprobs": "logprobs", "top_logprobs": "logprobs",
+           "tools": "tools", "tool_choice": "tools", "functions": "functions", "function_call": "functions",
+           "best_of": "best_of > 1", "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
+           "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty",
+           "response_format": "response_format"}
+HARMLESS = {"n": 1, "best_of": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+            "tools": [], "logit_bias": {}, "response_format": {"type": "text"}}
+
+
+class ApiError(Exception):
+    """A request the server refuses: OpenAI's error JSON with this status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self, headers=None) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 503: "server_overloaded"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+@dataclass
+class Job:
+    """One request as the engine runs it; events go back to the HTTP side through its loop."""
+    prompt: list
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: Optional[int]
+    stop: list
+    reuse: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    def send(self, kind: str, value):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Metrics:
+    """Counters for /metrics (Prometheus text), written by both threads under one lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                                          "cycles": 0, "emitted": 0, "seconds": 0.0}
+
+    def count(self, outcome: str, **values):
+        with self.lock:
+            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+            for k, v in values.items():
+                self.values[k] += v
+
+    def text(self, queue_depth: int) -> str:
+        with self.lock:
+            v, lines = dict(self.values), []
+            lines += ["# TYPE eaglet_requests_total counter"]
+            lines += [f'eaglet_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.requests.items())]
+            for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+                lines += [f"# TYPE eaglet_{name}_total counter", f"eaglet_{name}_total {v[name]}"]
+            lines += ["# TYPE eaglet_cycles_total counter", f"eaglet_cycles_total {v['cycles']}",
+                      "# HELP eaglet_mean_tau tokens a cycle emits, over all cycles", "# TYPE eaglet_mean_tau gauge",
+                      f"eaglet_mean_tau {v['emitted'] / v['cycles'] if v['cycles'] else 0:.4f}",
+                      "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
+                      "# TYPE eaglet_request_seconds_total counter", f"eaglet_request_seconds_total {v['seconds']:.4f}"]
+            return "\n".join(lines) + "\n"
+
+
+class Engine:
+    """The model and the one thread that runs it: jobs from a bounded queue, in arrival order."""
+
+    def __init__(self, args, max_queue: int):
+        (self.model, self.tokenizer, self.draft, self.sampling, self.tree, _, _) = generate.load(args)
+        generate.describe(args, self.model, self.draft, self.tree)
+        compile_settings(self.model, args.device)
+        step = speculative_cycle if self.draft is not None else decode_one_token
+        self.gen = partial(generate.generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
+                           tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step)
+        self.scratch = self.tree.scratch if self.draft is not None else 0
+        if args.compile:
+            warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
+        self.jobs, self.cached = queue.Queue(maxsize=max_queue), []
+        self.metrics = Metrics()
+        self.name = generate.short_path(args.checkpoint_path)
+        threading.Thread(target=self.loop, daemon=True, name="eaglet engine").start()
+
+    def room(self, prompt: list) -> int:
+        return self.model.max_seq_length - self.scratch - len(prompt)
+
+    def loop(self):
+        while True:
+            job = self.jobs.get()
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.count("aborted")
+                job.send("done", None)
+                continue
+            try:
+                self.run(job)
+            except Exception as e:  # the server stays up; what the cache holds is unknown
+                self.cached = []
+                self.metrics.count("error")
+                job.send("error", f"{type(e).__name__}: {e}")
+
+    def run(self, job: Job):
+        start = 0
+        if job.reuse:  # the longest prefix the cache holds, leaving at least one token to prefill
+            while start < min(len(self.cached), len(job.prompt) - 1) and self.cached[start] == job.prompt[start]:
+                start += 1
+        self.cached = []
+        if job.seed is not None:
+            torch.manual_seed(job.seed)
+        else:
+            torch.seed()
+        streamer, stopped = TextStreamer(self.tokenizer, job.prompt, stop=job.stop), [False]
+
+        def on_tokens(new: list):
+            # the text the cycle's drafts (all its tokens but the last, the target's own) made: the page marks it
+            kept = [t for t in streamer.tokens + new[:-1] if t not in self.tokenizer.eos_ids]
+            drafted = [len(streamer.text), len(self.tokenizer.decode(kept)) - streamer.skip]
+            streamer.write = lambda text: job.send("text", (text, streamer.printed, drafted))
+            keep = streamer(new)
+            stopped[0] = keep is not None
+            return 0 if job.cancelled.is_set() and keep is None else keep
+        t0 = time.perf_counter()
+        result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens)
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0]))
+        streamer.flush()
+        if not job.cancelled.is_set():
+            self.cached = job.prompt + result.tokens[:-1]  # the last token was sampled but never fed back
+        eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
+        finish = "length" if len(result.tokens) >= job.max_tokens and not (stopped[0] or eos) else "stop"
+        cycles = len(result.accept_lengths)
+        self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
+                           completion_tokens=len(result.tokens), cached_tokens=start, cycles=cycles,
+                           emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
+        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
+            "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
+            "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": start}},
+            "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
+                       "tokens_per_s": result.tokens_per_s, "seconds": time.perf_counter() - t0}})
+
+
+GREEDY = SamplingConfig()
+
+
+def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
+    """body[name] (or default) as a finite number in [low, high]; an integer where integer."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:60]}", name)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ApiError(400, f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def sampling_of(body: dict) -> tuple:
+    """(SamplingConfig, seed, stop strings) from a request's fields."""
+    for name, what in REFUSED.items():
+        if name in body and body[name] is not None and body[name] != HARMLESS.get(name, None):
+            raise ApiError(400, f"this server cannot honour {what}", name, "unsupported_parameter")
+    temperature = number(body, "temperature", 1.0, 0, 100)
+    top_p = number(body, "top_p", 1.0, 0, 1)
+    if top_p == 0:
+        raise ApiError(400, "top_p must be above 0", "top_p")
+    top_k = number(body, "top_k", 0, 0, 1 << 31, integer=True)
+    seed = number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+    return SamplingConfig(temperature, top_p, top_k), seed, stop
+
+
+def messages_of(body: dict) -> list:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got "
+                                f"{json.dumps(role)[:40]}", "messages")
+        if isinstance(content, list):  # parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+class Server:
+    """The HTTP side: parse and check a request, queue it, stream or return its reply."""
+
+    def __init__(self, engine: Engine, api_key: Optional[str]):
+        self.engine, self.api_key = engine, api_key
+        self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/", self.page, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.middleware("http")(self.guard)
+        app.exception_handler(404)(lambda r, e: ApiError(404, f"no such path: {r.url.path}").response())
+        app.exception_handler(405)(lambda r, e: ApiError(405, f"{r.method} is not allowed on {r.url.path}").response())
+
+    async def guard(self, request: Request, call_next):
+        """The API key (compared in constant time) and the body's size, before any route runs."""
+        if self.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return ApiError(401, "a missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key").response()
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            return ApiError(413, f"the request body is over {MAX_BODY} bytes").response()
+        return await call_next(request)
+
+    async def page(self):
+        return FileResponse(PAGE, media_type="text/html")
+
+    async def health(self):
+        return {"status": "ok"}
+
+    async def metrics(self):
+        return PlainTextResponse(self.engine.metrics.text(self.engine.jobs.qsize()))
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.engine.name, "object": "model", "owned_by": "eaglet",
+                                            "created": 0}]}
+
+    async def chat_completions(self, request: Request):
+        return await self.complete(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self.complete(request, chat=False)
+
+    async def complete(self, request: Request, chat: bool):
+        try:
+            job, stream, usage_in_stream = self.make_job(await self.body(request), chat)
+        except ApiError as e:
+            self.engine.metrics.count("refused")
+            return e.response()
+        try:
+            self.engine.jobs.put_nowait(job)
+        except queue.Full:
+            self.engine.metrics.count("queue_full")
+            return ApiError(503, "the server is busy: its queue is full; try again shortly").response({"Retry-After": "1"})
+        reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": reply_id, "created": int(time.time()), "model": self.engine.name,
+                "object": "chat.completion.chunk" if chat else "text_completion"}
+        if stream:
+            return StreamingResponse(self.chunks(job, head, chat, usage_in_stream), media_type="text/event-stream")
+        return await self.whole(request, job, head, chat)
+
+    async def body(self, request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def make_job(self, body: dict, chat: bool) -> tuple:
+        """The request as a Job (checked against the cache's room), whether to stream, and usage in the stream."""
+        sampling, seed, stop = sampling_of(body)
+        tokenizer = self.engine.tokenizer
+        if chat:
+            prompt = tokenizer.encode_chat(messages_of(body))
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise ApiError(400, "prompt must be a non-empty string", "prompt")
+            prompt = tokenizer.encode(text)
+        room = self.engine.room(prompt)
+        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = number(body, limit, None, 1, 1 << 31, integer=True)
+        if room < 1 or (max_tokens or 1) > room:
+            raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
+                                f"{len(prompt) + (max_tokens or 1) + self.engine.scratch} slots with the draft tree's "
+                                f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
+                           limit, "context_length_exceeded")
+        stream, options = body.get("stream", False), body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(options, dict):
+            raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
+        reuse = body.get("cache_prompt", True)
+        loop = asyncio.get_running_loop()
+        job = Job(prompt, max_tokens or room, sampling, seed, stop, reuse is not False, loop, asyncio.Queue())
+        return job, stream, bool(options.get("include_usage"))
+
+    async def chunks(self, job: Job, head: dict, chat: bool, usage_in_stream: bool):
+        """Server-sent events: one chunk per cycle, a last one with finish_reason, usage if asked, [DONE]. Leaving
+        early (the client went away) cancels the job: the engine stops at the end of its cycle."""
+        def chunk(text: str, finish=None, extra=None) -> str:
+            choice = {"index": 0, "finish_reason": finish}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if text is not None else {}
+            else:
+                choice["text"] = text or ""
+            return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
+        try:
+            async for kind, value in events(job):
+                if kind == "text":
+                    text, start, drafted = value  # the characters [drafted[0], drafted[1]) came from accepted drafts
+                    yield chunk(text, extra={"eaglet": {"start": start, "drafted": drafted}})
+                elif kind == "done" and value is not None:
+                    yield chunk(None if chat else "", value["finish_reason"], {"eaglet": value["eaglet"]})
+                    if usage_in_stream:
+                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': value['usage']})}\n\n"
+                elif kind == "error":
+                    yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
+
+    async def whole(self, request: Request, job: Job, head: dict, chat: bool):
+        """The whole reply as one JSON object; a client that goes away while it waits cancels the job."""
+        done = None
+        try:
+            async for kind, value in events(job, request):
+                if kind == "done":
+                    done = value
+                elif kind == "error":
+                    return ApiError(500, f"generation failed: {value}").response()
+        finally:
+            job.cancelled.set()
+        if done is None:
+            return ApiError(499, "the client went away").response()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
+                      "finish_reason": done["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"]}
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": done["usage"], "eaglet": done["eaglet"]}
+
+
+async def events(job: Job, request: Optional[Request] = None):
+    """A job's events until it is done; with request, stop early when its client disconnects."""
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                return
+            continue
+        yield kind, value
+        if kind in ("done", "error"):
+            return
+
+
+def parse_args(argv=None):
+    p = generate.model_flags(cli_parser(__doc__))
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int_flag(0, 65535), default=8000, help="0: any free port (the ready line names it)")
+    p.add_argument("--api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--max_queue", type=int_flag(1), default=16, help="requests waiting at most; more get 503")
+    args = p.parse_args(argv)
+    generate.check_model_flags(p, args)
+    # what generate.load reads beside the model flags: a server is one long conversation, as --interactive
+    defaults = dict(interactive=True, chat=False, system=None, prompts=None, json_out=None, batch_size=None,
+                    max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None)
+    for name, value in defaults.items():
+        setattr(args, name, value)
+    return args
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise EagletError(f"cannot listen on {host}:{port}: {e.strerror}")
+    return sock
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        args.device = generate.pick_device(args.device)
+        args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+        sock = listening_socket(args.host, args.port)
+        engine = Engine(args, args.max_queue)
+    except EagletError as e:
+        sys.exit(f"error: {e}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: listening on {args.host} without --api_key: anyone who reaches it can use it")
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(Server(engine, args.api_key).app, log_level="warning"))
+    print(f"eaglet serving {engine.name} at http://{host}:{port} (OpenAI API under /v1, a chat page at /)", flush=True)
+    server.run(sockets=[sock])  # Ctrl-C / SIGTERM: uvicorn stops cleanly and the port is freed
+
+
+if __name__ == "__main__":
+    main()
