@@ -1,0 +1,253 @@
+"""serve.py as its users meet it: a real server on a free loopback port serving the demo, talked to by the official
+openai client (and by raw HTTP for what a client library hides): replies equal generate()'s greedy output token for
+token, streamed or not; stop strings, usage, seeds; concurrent clients, a full queue, a client that leaves; every
+bad input's status and error JSON; prefix reuse on a three-turn chat."""
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+openai = pytest.importorskip("openai", reason="the official client: pip install openai")
+try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx", reason="comes with openai")
+
+import generate  # noqa: E402
+from chat import TextStreamer  # noqa: E402
+from decode import SamplingConfig  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+DEMO = ROOT / "demo"
+PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n",
+           "def add(a, b):\n"]
+
+
+def start_server(*flags) -> tuple:
+    """(process, base URL) of `python serve.py --port 0 FLAGS`, once its ready line names the port."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--port", "0", *flags], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        if line.startswith("eaglet serving"):
+            url = line.split(" at ")[1].split()[0]
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+            return proc, url
+        assert time.time() < deadline, "no ready line"
+    raise AssertionError(f"serve.py ended: {proc.wait()}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--max_queue", "3")
+    yield url
+    proc.terminate()
+    assert proc.wait(timeout=30) in (0, -15)  # SIGTERM: uvicorn shuts down, then ends by the signal it caught
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socket.create_server((host, int(port))).close()  # the port is free again
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """generate()'s own greedy reply (text, tokens) on the demo with its head, as generate.py decodes it."""
+    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 1024)
+    draft = generate.load_draft(DEMO / "head" / "draft.pth", target)
+    tokenizer = Tokenizer(DEMO / "target")
+
+    def reply(prompt: list, n: int, stop=()):
+        streamer = TextStreamer(tokenizer, prompt, enabled=False, stop=stop)
+        result = generate.generate(target, prompt, n, SamplingConfig(), eos_ids=tokenizer.eos_ids, draft=draft,
+                                   on_tokens=streamer)
+        return streamer.text, result.tokens
+    reply.tokenizer = tokenizer
+    return reply
+
+
+def test_completions_equal_generate_streamed_or_not(client, reference):
+    for prompt in PROMPTS[:2]:
+        text, tokens = reference(reference.tokenizer.encode(prompt), 40)
+        whole = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0)
+        assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+        assert whole.usage.completion_tokens == len(tokens) == 40
+        assert whole.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+        chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
+        assert len(chunks) < 40  # one chunk a cycle, not one a token
+
+
+def test_chat_equals_generate_and_stop_strings_end_it_exactly(client, reference):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def read_lines(path):"}]
+    prompt = reference.tokenizer.encode_chat(messages)
+    text, _ = reference(prompt, 60)
+    reply = client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0)
+    assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
+    # a stop string that first appears mid-reply: cut before it, finish_reason stop, streamed the same
+    stop = next(s for s in ("\n    ", "(", " ") if s in text[3:])
+    cut, _ = reference(prompt, 60, stop=[stop])
+    assert cut == text[:text.index(stop)]
+    for stream in (False, True):
+        got = client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0,
+                                             stop=[stop, "@@never@@"], stream=stream)
+        if stream:
+            chunks = list(got)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            assert got.choices[0].message.content == cut and got.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    def sample(seed):
+        return client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=30, temperature=1.0,
+                                         seed=seed).choices[0].text
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(s) != first for s in (8, 9, 10))
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["target/model.pth"]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(server + "/metrics").text
+    assert 'eaglet_requests_total{outcome="ok"}' in metrics and "eaglet_mean_tau " in metrics
+
+
+BAD = [  # (path, body or raw bytes, status, param, words in the message)
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "non-empty string"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "non-empty string"),
+    ("/v1/chat/completions", {}, 400, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages", "string"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "between"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": NaN}', 400, "top_p", "between"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "between"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "the cache holds"),
+    ("/v1/completions", {"prompt": "x " * 5000}, 400, "max_tokens", "the cache holds"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", "cannot honour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
+    ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
+    ("/v1/nowhere", {}, 404, None, "no such path"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", BAD, ids=[f"{b[2]} {b[4]}" for b in BAD])
+def test_bad_requests_get_openai_errors(server, path, body, status, param, words):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == status and error["param"] == param and words in error["message"], r.text
+    assert set(error) == {"message", "type", "param", "code"}
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_wrong_method_and_the_context_numbers(server):
+    r = httpx.get(server + "/v1/completions")
+    assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 100000})
+    assert "(100000)" in r.json()["error"]["message"] and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_concurrent_clients_get_their_own_replies_or_a_clear_503(server, reference):
+    """8 clients x 3 requests against a queue of 3: each reply is its single-client reply, or 503 with
+    Retry-After; none lost or mixed; the server answers afterwards."""
+    expected = {p: reference(reference.tokenizer.encode(p), 24)[0] for p in PROMPTS}
+    outcomes, lock = [], threading.Lock()
+
+    def client_thread(i):
+        for j in range(3):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            r = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                           timeout=120)
+            with lock:
+                outcomes.append((prompt, r.status_code, r.json(), r.headers.get("retry-after")))
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 24
+    for prompt, status, body, retry in outcomes:
+        assert status in (200, 503), body
+        if status == 200:
+            assert body["choices"][0]["text"] == expected[prompt]
+        else:
+            assert retry == "1" and "queue is full" in body["error"]["message"]
+    assert sum(status == 200 for _, status, _, _ in outcomes) >= 3
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_client_that_leaves_stops_its_generation(server, client, reference):
+    def aborted():
+        line = next(l for l in httpx.get(server + "/metrics").text.splitlines() if 'outcome="aborted"' in l) \
+            if 'outcome="aborted"' in httpx.get(server + "/metrics").text else "x 0"
+        return int(line.split()[-1])
+    before = aborted()
+    with httpx.stream("POST", server + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 900,
+                                                               "temperature": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk read, then the connection closes
+    deadline = time.time() + 30
+    while aborted() == before:
+        assert time.time() < deadline, "the generation was not stopped"
+        time.sleep(0.1)
+    text, _ = reference(reference.tokenizer.encode(PROMPTS[1]), 16)
+    assert client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
+
+
+def test_prefix_reuse_keeps_replies_and_counts_cached_tokens(client):
+    """A three-turn chat, with and without reuse (cache_prompt: false): the same replies; with it each later
+    turn's prompt tokens up to the last reply come from the cache."""
+    def chat(reuse):
+        messages, replies, cached = [{"role": "system", "content": "Python only."}], [], []
+        for turn in ("def read_lines(path):", "def add(a, b):", "class Stack:"):
+            messages.append({"role": "user", "content": turn})
+            r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
+                                               extra_body={"cache_prompt": reuse})
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            replies.append(r.choices[0].message.content)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        return replies, cached
+    client.completions.create(model="demo", prompt="import sys\n", max_tokens=4, temperature=0)  # another cache
+    with_reuse, cached = chat(True)
+    without, none = chat(False)
+    assert with_reuse == without and none == [0, 0, 0]
+    assert cached[0] < 5 and cached[1] > 20 and cached[2] > cached[1]
+
+
+def test_the_api_key_is_required_when_set():
+    proc, url = start_server("--api_key", "s3cret", "--no_draft")
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 401
+        wrong = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret").completions.create(
+            model="demo", prompt="x", max_tokens=2, temperature=0)
+        assert good.usage.completion_tokens == 2
+        assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
