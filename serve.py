@@ -113,6 +113,14 @@ class Engine:
     """The model and the one thread that runs it: jobs from a bounded queue, in arrival order."""
 
     def __init__(self, args, max_queue: int):
+        self.jobs, self.cached, self.metrics = queue.Queue(maxsize=max_queue), [], Metrics()
+        self.name, self.failure, ready = generate.short_path(args.checkpoint_path), None, threading.Event()
+        threading.Thread(target=self.loop, args=(args, ready), daemon=True, name="eaglet engine").start()
+        ready.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    def load(self, args):
         (self.model, self.tokenizer, self.draft, self.sampling, self.tree, _, _) = generate.load(args)
         generate.describe(args, self.model, self.draft, self.tree)
         compile_settings(self.model, args.device)
@@ -122,16 +130,20 @@ class Engine:
         self.scratch = self.tree.scratch if self.draft is not None else 0
         if args.compile:
             warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
-        self.jobs, self.cached = queue.Queue(maxsize=max_queue), []
-        self.metrics = Metrics()
-        self.name = generate.short_path(args.checkpoint_path)
-        threading.Thread(target=self.loop, daemon=True, name="eaglet engine").start()
 
     def room(self, prompt: list) -> int:
         return self.model.max_seq_length - self.scratch - len(prompt)
 
-    def loop(self):
-        while True:
+    def loop(self, args, ready: threading.Event):
+        # Every torch call runs in this thread, loading included: on a CPU another thread's OpenMP workers, left
+        # spinning by earlier torch work, competed with this thread's (a matmul took 15x as long).
+        try:
+            self.load(args)
+        except EagletError as e:
+            self.failure = e
+        finally:
+            ready.set()
+        while self.failure is None:
             job = self.jobs.get()
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.count("aborted")
