@@ -301,6 +301,16 @@ MUTANTS = [
       "    merges.sort(reverse=True)\n"),
     M("checkpoint folder: of two checkpoints, the first taken instead of both refused", "checkpoint.py",
       "        if len(found) == 1:\n", "        if found:\n"),
+    M("serve: a stream's held-back text never sent (the last chunk dropped)", "serve.py",
+      "        streamer.flush()\n        if not job.cancelled.is_set():", "        if not job.cancelled.is_set():"),
+    M("serve: a stop string ends the generation one token late", "chat.py",
+      "                    self.flush()\n                    return keep",
+      "                    self.flush()\n                    return min(keep + 1, len(new_tokens))"),
+    M("serve: a full queue drops the oldest waiting request", "serve.py",
+      "            self.engine.jobs.put_nowait(job)\n", "            self.engine.jobs.put_nowait(job)\n"
+      "        except queue.Full:\n            self.engine.jobs.get_nowait()\n            self.engine.jobs.put_nowait(job)\n"),
+    M("serve: prefix reuse counts the last token as cached, though it never was fed back", "serve.py",
+      "self.cached = job.prompt + result.tokens[:-1]", "self.cached = job.prompt + result.tokens"),
     M("int4 in fp32 on a CPU: dequantized around 7, not 8", "quantize.py",
       "return (values.to(scales.dtype) - 8) * scales + zeros", "return (values.to(scales.dtype) - 7) * scales + zeros"),
 ]

@@ -70,6 +70,7 @@ def reference():
         streamer = TextStreamer(tokenizer, prompt, enabled=False, stop=stop)
         result = generate.generate(target, prompt, n, SamplingConfig(), eos_ids=tokenizer.eos_ids, draft=draft,
                                    on_tokens=streamer)
+        streamer.flush()
         return streamer.text, result.tokens
     reply.tokenizer = tokenizer
     return reply
@@ -97,17 +98,26 @@ def test_chat_equals_generate_and_stop_strings_end_it_exactly(client, reference)
     assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
     # a stop string that first appears mid-reply: cut before it, finish_reason stop, streamed the same
     stop = next(s for s in ("\n    ", "(", " ") if s in text[3:])
-    cut, _ = reference(prompt, 60, stop=[stop])
-    assert cut == text[:text.index(stop)]
+    cut, cut_tokens = reference(prompt, 60, stop=[stop])
+    assert cut == text[:text.index(stop)] and len(cut_tokens) < 60
     for stream in (False, True):
         got = client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0,
-                                             stop=[stop, "@@never@@"], stream=stream)
+                                             stop=[stop, "@@never@@"], stream=stream,
+                                             stream_options={"include_usage": True} if stream else None)
         if stream:
             chunks = list(got)
-            assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
-            assert chunks[-1].choices[0].finish_reason == "stop"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
+            assert chunks[-2].choices[0].finish_reason == "stop"
+            usage = chunks[-1].usage
         else:
             assert got.choices[0].message.content == cut and got.choices[0].finish_reason == "stop"
+            usage = got.usage
+        assert usage.completion_tokens == len(cut_tokens)  # generation ended at the token that made the stop string
+    # a stop string that never appears holds back its length less one at each cycle: all of it comes at the end
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0,
+                                                 stop="@@never@@", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_seeded_sampling_repeats(client):

@@ -1,0 +1,44 @@
+"""serve.py's page in a real browser (headless Chromium through Selenium): a prompt typed into it gets the reply the
+API gives for the same conversation, greedy, and the reply carries both marks: text from drafts the target
+accepted and the target's own tokens. Skipped, saying why, where Chromium, its driver or selenium is missing
+(.ci/run installs them)."""
+import shutil
+
+import pytest
+
+from test_serve import start_server
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
+openai = pytest.importorskip("openai", reason="pip install openai")
+CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="Debian's chromium and chromium-driver are not installed")
+def test_the_page_chats_and_marks_drafted_and_target_tokens():
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    proc, url = start_server()
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.binary_location = CHROMIUM
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    try:
+        driver.get(url + "/")
+        prompt = "def read_lines(path):"
+        driver.find_element(By.ID, "prompt").send_keys(prompt)
+        driver.find_element(By.ID, "send").click()
+        WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "log").get_attribute("data-done") == "1")
+        spans = driver.find_elements(By.CSS_SELECTOR, "#log span.drafted, #log span.target")
+        shown = "".join(s.get_attribute("textContent") for s in spans)
+        kinds = {s.get_attribute("class") for s in spans}
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0)
+        assert shown == api.choices[0].message.content and shown
+        assert kinds == {"drafted", "target"}
+        assert "tau:" in driver.find_element(By.ID, "stats").text and "tokens/s:" in driver.find_element(By.ID, "stats").text
+    finally:
+        driver.quit()
+        proc.terminate()
+        proc.wait(timeout=30)
