@@ -424,18 +424,3 @@ def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels
     tokens = torch.cat([root[..., None], pool_tokens.gather(-1, kept)], dim=-1)
     draft_logp = torch.cat([first.float(), pool_logp.gather(-1, kept).float()], dim=-1)
     return DraftTree(tokens, parents, depths, ancestors, draft_logp)
-
-
-# Reading heads (their layouts, configs, checks and load_head) moved to head_formats.py; the old import path still
-# works (from draft import load_head), importing head_formats.py only when one of its names is asked for.
-MOVED_TO_HEAD_FORMATS = ("load_head", "assign_weights", "eagle3_from_state_dict", "dflash_from_state_dict",
-                         "dflash_layer_ids", "eagle3_feature_layers", "feature_layer_ids", "FLAGS", "eagle3_flags",
-                         "head_config", "head_args", "head_kind", "is_eagle3_config", "is_dflash_config",
-                         "read_draft_vocab")
-
-
-def __getattr__(name):
-    if name in MOVED_TO_HEAD_FORMATS:
-        import head_formats
-        return getattr(head_formats, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

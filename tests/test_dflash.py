@@ -352,9 +352,3 @@ def test_greedy_equals_plain_on_an_int8_target_and_running_ahead(target8, tmp_pa
                                      run_ahead=ahead)
             draft.block_logits, draft.topk = DFlashDraft.block_logits.__get__(draft), DFlashDraft.topk.__get__(draft)
             assert spec.tokens == plain.tokens and max(spec.accept_lengths) >= 2
-
-
-def test_the_old_import_path_of_the_head_readers_still_works():
-    import draft
-    import head_formats
-    assert draft.load_head is head_formats.load_head and draft.head_config is head_formats.head_config
