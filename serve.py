@@ -86,11 +86,12 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                                          "cycles": 0, "emitted": 0, "seconds": 0.0}
+                                          "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0}
 
-    def count(self, outcome: str, **values):
+    def count(self, outcome: Optional[str], **values):
         with self.lock:
-            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+            if outcome is not None:
+                self.requests[outcome] = self.requests.get(outcome, 0) + 1
             for k, v in values.items():
                 self.values[k] += v
 
@@ -101,7 +102,8 @@ class Metrics:
             lines += [f'eaglet_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.requests.items())]
             for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
                 lines += [f"# TYPE eaglet_{name}_total counter", f"eaglet_{name}_total {v[name]}"]
-            lines += ["# TYPE eaglet_cycles_total counter", f"eaglet_cycles_total {v['cycles']}",
+            lines += ["# TYPE eaglet_batched_requests_total counter", f"eaglet_batched_requests_total {v['batched']}",
+                      "# TYPE eaglet_cycles_total counter", f"eaglet_cycles_total {v['cycles']}",
                       "# HELP eaglet_mean_tau tokens a cycle emits, over all cycles", "# TYPE eaglet_mean_tau gauge",
                       f"eaglet_mean_tau {v['emitted'] / v['cycles'] if v['cycles'] else 0:.4f}",
                       "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
@@ -112,8 +114,9 @@ class Metrics:
 class Engine:
     """The model and the one thread that runs it: jobs from a bounded queue, in arrival order."""
 
-    def __init__(self, args, max_queue: int):
+    def __init__(self, args, max_queue: int, max_batch: int = 1):
         self.jobs, self.cached, self.metrics = queue.Queue(maxsize=max_queue), [], Metrics()
+        self.max_batch, self.held = max_batch, []
         self.name, self.failure, ready = generate.short_path(args.checkpoint_path), None, threading.Event()
         threading.Thread(target=self.loop, args=(args, ready), daemon=True, name="eaglet engine").start()
         ready.wait()
@@ -128,6 +131,13 @@ class Engine:
         self.gen = partial(generate.generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
                            tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step)
         self.scratch = self.tree.scratch if self.draft is not None else 0
+        if self.max_batch > 1:  # caches of max_batch rows (one prompt alone uses the first)
+            self.model.setup_caches(self.max_batch, self.model.max_seq_length)
+            if self.draft is not None:
+                self.draft.setup_caches(self.model.max_seq_length, self.max_batch)
+            self.gen_batch = partial(generate.generate_batch, self.model, eos_ids=self.tokenizer.eos_ids,
+                                     draft=self.draft, tree=self.tree,
+                                     step_fn=compile_step(step, args.device) if args.compile else step)
         if args.compile:
             warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
 
@@ -144,17 +154,58 @@ class Engine:
         finally:
             ready.set()
         while self.failure is None:
-            job = self.jobs.get()
-            if job.cancelled.is_set():  # its client left while it waited
-                self.metrics.count("aborted")
-                job.send("done", None)
-                continue
+            jobs = []
+            for job in self.next_jobs():
+                if job.cancelled.is_set():  # its client left while it waited
+                    self.metrics.count("aborted")
+                    job.send("done", None)
+                else:
+                    jobs.append(job)
             try:
-                self.run(job)
+                if len(jobs) == 1:
+                    self.run(jobs[0])
+                elif jobs:
+                    self.run_batch(jobs)
             except Exception as e:  # the server stays up; what the cache holds is unknown
                 self.cached = []
-                self.metrics.count("error")
-                job.send("error", f"{type(e).__name__}: {e}")
+                for job in jobs:
+                    self.metrics.count("error")
+                    job.send("error", f"{type(e).__name__}: {e}")
+
+    def stream(self, job: Job):
+        """The job's streamer and its on_tokens for generate(): text to the client each cycle, with the range
+        the cycle's drafts made (all its tokens but the last, the target's own: the page marks it); a stop
+        string or the job's own max_tokens ends it, and so does its client leaving."""
+        streamer, state = TextStreamer(self.tokenizer, job.prompt, stop=job.stop), {"stopped": False, "count": 0}
+
+        def on_tokens(new: list):
+            new = new[:job.max_tokens - state["count"]]
+            kept = [t for t in streamer.tokens + new[:-1] if t not in self.tokenizer.eos_ids]
+            drafted = [len(streamer.text), len(self.tokenizer.decode(kept)) - streamer.skip]
+            streamer.write = lambda text: job.send("text", (text, streamer.printed, drafted))
+            keep = streamer(new)
+            state["stopped"] = keep is not None
+            if keep is None and (job.cancelled.is_set() or state["count"] + len(new) >= job.max_tokens):
+                keep = 0 if job.cancelled.is_set() else len(new)
+            state["count"] += len(new) if keep is None else keep
+            return keep
+        return streamer, state, on_tokens
+
+    def finish(self, job: Job, result, streamer: TextStreamer, state: dict, cached: int, seconds: float):
+        """The rest of the text, the counters, and the job's last event."""
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0]))
+        streamer.flush()
+        eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
+        finish = "length" if len(result.tokens) >= job.max_tokens and not (state["stopped"] or eos) else "stop"
+        cycles = len(result.accept_lengths)
+        self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
+                           completion_tokens=len(result.tokens), cached_tokens=cached, cycles=cycles,
+                           emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
+        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
+            "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
+            "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": cached}},
+            "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
+                       "tokens_per_s": result.tokens_per_s, "seconds": seconds}})
 
     def run(self, job: Job):
         start = 0
@@ -166,34 +217,44 @@ class Engine:
             torch.manual_seed(job.seed)
         else:
             torch.seed()
-        streamer, stopped = TextStreamer(self.tokenizer, job.prompt, stop=job.stop), [False]
-
-        def on_tokens(new: list):
-            # the text the cycle's drafts (all its tokens but the last, the target's own) made: the page marks it
-            kept = [t for t in streamer.tokens + new[:-1] if t not in self.tokenizer.eos_ids]
-            drafted = [len(streamer.text), len(self.tokenizer.decode(kept)) - streamer.skip]
-            streamer.write = lambda text: job.send("text", (text, streamer.printed, drafted))
-            keep = streamer(new)
-            stopped[0] = keep is not None
-            return 0 if job.cancelled.is_set() and keep is None else keep
+        streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens)
-        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0]))
-        streamer.flush()
         if not job.cancelled.is_set():
             self.cached = job.prompt + result.tokens[:-1]  # the last token was sampled but never fed back
-        eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
-        finish = "length" if len(result.tokens) >= job.max_tokens and not (stopped[0] or eos) else "stop"
-        cycles = len(result.accept_lengths)
-        self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
-                           completion_tokens=len(result.tokens), cached_tokens=start, cycles=cycles,
-                           emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
-        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
-            "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
-            "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": start}},
-            "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
-                       "tokens_per_s": result.tokens_per_s, "seconds": time.perf_counter() - t0}})
+        self.finish(job, result, streamer, state, start, time.perf_counter() - t0)
 
+    def run_batch(self, jobs: list):
+        """Greedy jobs that waited together, decoded as rows of one batch (generate_batch: each row's tokens are
+        the ones it gets alone); the batch is filled up with copies of its last prompt so its shapes stay the
+        same. No prefix reuse: the prompts are prefilled whole, and the cache then holds several conversations."""
+        self.cached = []
+        streams = [self.stream(job) for job in jobs]
+        prompts = [job.prompt for job in jobs]
+        prompts += prompts[-1:] * (self.max_batch - len(prompts))
+        on_tokens = lambda row, new: streams[row][2](new) if row < len(jobs) else None  # noqa: E731
+        t0 = time.perf_counter()
+        results = self.gen_batch(prompts, max(job.max_tokens for job in jobs), GREEDY, on_tokens=on_tokens)
+        for job, (streamer, state, _), result in zip(jobs, streams, results):
+            self.metrics.count(None, batched=1)
+            self.finish(job, result, streamer, state, 0, time.perf_counter() - t0)
+
+    def next_jobs(self) -> list:
+        """The next job; with --max_batch, the greedy jobs waiting behind a greedy one join it (up to max_batch).
+        A job that cannot join (it samples) waits for the next turn, first in line."""
+        job = self.held.pop(0) if self.held else self.jobs.get()
+        batch = [job]
+        while self.max_batch > 1 and job.sampling.temperature == 0 and len(batch) < self.max_batch:
+            try:
+                other = self.held.pop(0) if self.held else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            fits = max(len(j.prompt) for j in batch + [other]) + max(j.max_tokens for j in batch + [other]) \
+                + self.scratch <= self.model.max_seq_length  # generate_batch gives every row the longest reply
+            (batch if other.sampling.temperature == 0 and fits else self.held).append(other)
+            if self.held:
+                break
+        return batch
 
 GREEDY = SamplingConfig()
 
@@ -421,6 +482,9 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int_flag(0, 65535), default=8000, help="0: any free port (the ready line names it)")
     p.add_argument("--api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--max_queue", type=int_flag(1), default=16, help="requests waiting at most; more get 503")
+    p.add_argument("--max_batch", type=int_flag(1), default=1,
+                   help="greedy requests that wait together run as one batch of up to this many rows, each row "
+                        "exactly its own reply (caches of this many rows)")
     args = p.parse_args(argv)
     generate.check_model_flags(p, args)
     # what generate.load reads beside the model flags: a server is one long conversation, as --interactive
@@ -445,7 +509,7 @@ def main(argv=None):
         args.device = generate.pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         sock = listening_socket(args.host, args.port)
-        engine = Engine(args, args.max_queue)
+        engine = Engine(args, args.max_queue, args.max_batch)
     except EagletError as e:
         sys.exit(f"error: {e}")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

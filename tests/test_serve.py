@@ -261,3 +261,34 @@ def test_the_api_key_is_required_when_set():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_max_batch_runs_waiting_greedy_requests_together_each_exact(reference):
+    """--max_batch 4: greedy requests that wait together run as rows of one batch, each reply (its own max_tokens
+    and stop string) exactly its single-client reply; a sampling request runs alone."""
+    proc, url = start_server("--max_batch", "4", "--max_queue", "8")
+    try:
+        asks = [(PROMPTS[i % 4], 12 + 5 * i, "(" if i == 5 else None) for i in range(7)]
+        expected = [reference(reference.tokenizer.encode(p), n, stop=[stop] if stop else ())[0] for p, n, stop in asks]
+        replies = [None] * len(asks)
+
+        def ask(i):
+            prompt, n, stop = asks[i]
+            replies[i] = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                                    "stop": stop}, timeout=120).json()
+        sampled = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json={
+            "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 1}, timeout=120))
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for t in threads[:1] + [sampled] + threads[1:]:
+            t.start()
+        for t in threads + [sampled]:
+            t.join()
+        for i, reply in enumerate(replies):
+            assert reply["choices"][0]["text"] == expected[i], (i, reply)
+            assert reply["usage"]["completion_tokens"] <= asks[i][1]
+        metrics = httpx.get(url + "/metrics").text
+        batched = int(next(l for l in metrics.splitlines() if l.startswith("eaglet_batched_requests_total")).split()[-1])
+        assert batched >= 2  # some of them did run together
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
