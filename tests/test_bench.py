@@ -207,7 +207,9 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     assert "compiled vs eager (reduced shape, fp32)" not in results  # --skip_checks
     table = results["small-test (inflated demo): formats side by side"]
     assert [table[f]["weights"] for f in formats] == ["float32", "int8", "int4 g32, lm_head int8"]
-    assert table["bf16"]["weights_GB"] > table["int8"]["weights_GB"] > table["int4.g32"]["weights_GB"]
+    # fewer bytes per format; but in fp32 on a CPU int4 Linears are kept dequantized (torch's int4 kernel is fast in
+    # bf16 only), which the bytes read say: between the fp32 model and int8 (its lm_head stays int8)
+    assert table["bf16"]["weights_GB"] > table["int4.g32"]["weights_GB"] > table["int8"]["weights_GB"]
     for fmt in formats:
         row = table[fmt]
         assert row["eagle2_same_tokens_as_plain"] and row["tau"] > 1.5, (fmt, row)  # lossless, real acceptance
