@@ -132,7 +132,7 @@ class EagleDraft(DraftHead):
         return self(target.tok_embeddings(tokens), inputs, input_pos, slots, mask)
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return self.lm_head_module(target)(h)
+        return target.logits(h, self.vocab_lm_head)
 
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return target.output if self.vocab_lm_head is None else self.vocab_lm_head
@@ -300,7 +300,7 @@ class DFlashDraft(DraftHead):
         return tuple(dict.fromkeys((d, k, min(n, 1 + k + d * k * k)) for d, k, n in points))
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return target.output(h)
+        return target.logits(h)
 
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return target.output

@@ -349,8 +349,14 @@ class Transformer(nn.Module):
         else:  # [B, k]: each row its own positions
             selected = hidden.gather(1, logits_idx[..., None].expand(-1, -1, hidden.shape[-1]))
         if not self.feature_layers:
-            return self.output(selected), hidden
-        return self.output(selected), torch.cat([layer_inputs[i] for i in self.feature_layers], dim=-1)
+            return self.logits(selected), hidden
+        return self.logits(selected), torch.cat([layer_inputs[i] for i in self.feature_layers], dim=-1)
+
+    def logits(self, hidden: Tensor, rows: Optional[nn.Module] = None) -> Tensor:
+        """Final-normed hidden states -> logits: the one place they are made (the forward, every head that scores
+        with this lm_head, and head training call it), so a change here (a soft-cap, a scale) reaches them all.
+        rows: a Linear of some of the lm_head's rows (a draft vocabulary's), used in its place."""
+        return (self.output if rows is None else rows)(hidden)
 
     def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
         """Copy K/V from src_slots to dst_slots in every layer, in place (accepted tree path -> context)."""

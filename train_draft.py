@@ -442,7 +442,7 @@ def head_loss(head: EagleDraft, target: Transformer, tokens, mask, cfg: TrainCon
     h = head(embeds, noisy, pos[:-1], None, causal(seq - 1, tokens.device))
     feature_loss = F.smooth_l1_loss(h.float(), features[:, 1:].float(), reduction="none").mean(-1)
     target_p = torch.softmax(logits[:, 1:].float(), dim=-1)
-    head_logp = torch.log_softmax(target.output(h).float(), dim=-1)
+    head_logp = torch.log_softmax(target.logits(h).float(), dim=-1)
     ce = -(target_p * head_logp).sum(-1)
     weight = mask[:, 1:] * mask[:, :-1]  # both the input pair and the predicted position are real
     loss = ((feature_loss + cfg.ce_weight * ce) * weight).sum() / weight.sum().clamp(min=1)
@@ -683,7 +683,7 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
     want, counts = dflash_labels(picks, mask, anchors, real, size)
     gamma = cfg.gamma or (7.0 if size >= 16 else size / 2)
     weight = torch.exp(-torch.arange(size - 1, device=tokens.device) / gamma) * counts
-    head_logits = target.output(h).float()
+    head_logits = target.logits(h).float()
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
     agree = ((head_logits.argmax(-1) == want) & counts).float().sum((0, 1))
     return (ce * weight).sum() / weight.sum().clamp(min=1e-6), agree / counts.float().sum((0, 1)).clamp(min=1)

@@ -311,6 +311,9 @@ MUTANTS = [
       "        except queue.Full:\n            self.engine.jobs.get_nowait()\n            self.engine.jobs.put_nowait(job)\n"),
     M("serve: prefix reuse counts the last token as cached, though it never was fed back", "serve.py",
       "self.cached = job.prompt + result.tokens[:-1]", "self.cached = job.prompt + result.tokens"),
+    M("logits: an EAGLE head scores with the lm_head directly, not through Transformer.logits", "draft.py",
+      "        return target.logits(h, self.vocab_lm_head)",
+      "        return (target.output if self.vocab_lm_head is None else self.vocab_lm_head)(h)"),
     M("int4 in fp32 on a CPU: dequantized around 7, not 8", "quantize.py",
       "return (values.to(scales.dtype) - 8) * scales + zeros", "return (values.to(scales.dtype) - 7) * scales + zeros"),
 ]
