@@ -228,24 +228,49 @@ def test_a_client_that_leaves_stops_its_generation(server, client, reference):
     assert client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
 
 
+def three_turns(client, reuse: bool) -> tuple:
+    """A three-turn chat (greedy, 20 tokens a reply): the replies and each turn's cached_tokens."""
+    messages, replies, cached = [{"role": "system", "content": "Python only."}], [], []
+    for turn in ("def read_lines(path):", "def add(a, b):", "class Stack:"):
+        messages.append({"role": "user", "content": turn})
+        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"cache_prompt": reuse})
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        replies.append(r.choices[0].message.content)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    return replies, cached
+
+
 def test_prefix_reuse_keeps_replies_and_counts_cached_tokens(client):
-    """A three-turn chat, with and without reuse (cache_prompt: false): the same replies; with it each later
-    turn's prompt tokens up to the last reply come from the cache."""
-    def chat(reuse):
-        messages, replies, cached = [{"role": "system", "content": "Python only."}], [], []
-        for turn in ("def read_lines(path):", "def add(a, b):", "class Stack:"):
-            messages.append({"role": "user", "content": turn})
-            r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
-                                               extra_body={"cache_prompt": reuse})
-            messages.append({"role": "assistant", "content": r.choices[0].message.content})
-            replies.append(r.choices[0].message.content)
-            cached.append(r.usage.prompt_tokens_details.cached_tokens)
-        return replies, cached
+    """With and without reuse (cache_prompt: false): the same replies; with it each later turn's prompt tokens up
+    to the last reply come from the cache."""
     client.completions.create(model="demo", prompt="import sys\n", max_tokens=4, temperature=0)  # another cache
-    with_reuse, cached = chat(True)
-    without, none = chat(False)
+    with_reuse, cached = three_turns(client, True)
+    without, none = three_turns(client, False)
     assert with_reuse == without and none == [0, 0, 0]
     assert cached[0] < 5 and cached[1] > 20 and cached[2] > cached[1]
+
+
+def test_prefix_reuse_without_a_head():
+    """Plain decoding prefills from the first new token on (a head re-reads the one before): a cached token whose
+    K/V was never written (a reply's last, sampled but never fed back) would show here."""
+    proc, url = start_server("--no_draft")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for prompt in PROMPTS:  # a reply continued: the next prompt holds the last one's tokens, all but its last cached
+            replies = []
+            for reuse in (True, False):
+                first = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0,
+                                                   extra_body={"cache_prompt": reuse})
+                second = client.completions.create(model="demo", prompt=prompt + first.choices[0].text + "\n",
+                                                   max_tokens=20, temperature=0, extra_body={"cache_prompt": reuse})
+                replies.append(second.choices[0].text)
+                cached = second.usage.prompt_tokens_details.cached_tokens
+                assert cached > first.usage.prompt_tokens if reuse else cached == 0
+            assert replies[0] == replies[1], prompt
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_the_api_key_is_required_when_set():
