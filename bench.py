@@ -368,7 +368,7 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
                           "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}
     floor = cycle_bytes(target, draft, tree, int(ctx_len))
     whole = rows["whole cycle"]["ms"] / 1e3
-    return {"phases": rows, "context": int(ctx_len), "draft_passes": draft.draft_passes(tree),
+    return {"phases": rows, "context": int(ctx_len), "draft_passes": tree.draft_passes(draft),
             "floor_plain_steps": floor["cycle"] / floor["plain_step"],
             "floor_ms": floor["cycle"] / copy_bw * 1e3, "measured_over_floor": whole / (floor["cycle"] / copy_bw),
             "cycle_bytes_GB": floor["cycle"] / 1e9, "plain_step_bytes_GB": floor["plain_step"] / 1e9}
@@ -846,10 +846,8 @@ def main(argv=None):
         torch.manual_seed(0)  # the same random weights and prompts on every rank
         target, draft = tp.agreed(group, load_models, args, device, group, paths)
         tree = flags_tree(args, draft)
-        draft.check_tree(tree)
+        tree.check(draft)
         check_lengths(args, tree)
-        if tree.topk > draft.vocab_size:
-            raise EagletError(f"--tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
         if args.tune_tree:  # refused now, not after the other measurements, if its grid cannot run here
             calibration, calibration_text = tp.agreed(group, calibration_prompts, args, target)
             check_tune_fits([TreeConfig(*point) for point in draft.tree_grid() or TREE_GRID], calibration, CALIBRATION_TOKENS,

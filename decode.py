@@ -2,7 +2,8 @@
 commit, catch-up: speculative_cycle) and generate / generate_batch, which run them and read their tokens back;
 last, what a step reads in weights (the GB/s figures).
 
-Imports model.py, attention.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above them.
+Imports model.py, attention.py, tree.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above
+them.
 The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
 main runs the tuner: with the cycle in generate.py, the two would import each other. generate.py re-exports
 the names forks use (from generate import generate).
@@ -17,7 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from draft import DraftHead, DraftTree, take
+from draft import DraftHead
+from tree import DraftTree, TreeConfig, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
 from quantize import Int4Linear, Int8Linear
@@ -128,43 +130,6 @@ def compile_settings(target: Transformer, device: str):
 def device_sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
-
-
-@dataclass
-class TreeConfig:
-    """EAGLE-2's dynamic tree. What the cycle asks of a tree rule: total_tokens (nodes verified, root
-    included), levels (the most tokens one cycle can emit), scratch (cache slots used past the context) and
-    expand(). A static tree or a chain is another such class; --tree_topk 1 --total_tokens depth + 1 is a chain."""
-    depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
-    topk: int = 10  # children per expanded node, and nodes kept per level
-    total_tokens: int = 60  # tokens the target verifies per cycle, root included
-
-    def __post_init__(self):
-        if self.depth < 1 or self.topk < 1:
-            raise EagletError(f"depth and tree_topk must be at least 1, got {self.depth} and {self.topk}")
-        if not 2 <= self.total_tokens <= self.max_total_tokens:
-            raise EagletError(f"total_tokens must be between 2 and {self.max_total_tokens} (1 + tree_topk + "
-                              f"depth * tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
-
-    @property
-    def max_total_tokens(self) -> int:
-        """The root plus every candidate the expansion produces."""
-        return 1 + self.topk + self.depth * self.topk ** 2
-
-    @property
-    def levels(self) -> int:
-        """Tokens a cycle emits at most: a path through every level below the root, and the bonus token."""
-        return self.depth + 2
-
-    @property
-    def scratch(self) -> int:
-        """Cache slots needed past the context: the verified tree, the draft's levels, the catch-up."""
-        return max(self.total_tokens, self.depth * self.topk, self.levels)
-
-    def expand(self, target: Transformer, draft: DraftHead, root, ctx_len, h_last) -> DraftTree:
-        """Phase 1: the draft tree for this cycle, as the head builds it: an EAGLE head in depth draft passes
-        over the frontier, a DFlash head from one pass over a block of depth + 2; then the rerank."""
-        return draft.expand(target, self, root, ctx_len, h_last)
 
 
 def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
@@ -491,5 +456,5 @@ def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) 
     DFlash: 1) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
     lm_head = draft.lm_head_module(target)
     own = any(lm_head is m for m in draft.modules())
-    passes = draft.draft_passes(tree)
+    passes = tree.draft_passes(draft)
     return weight_bytes(target) + passes * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))

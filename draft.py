@@ -1,4 +1,4 @@
-"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash) and the draft trees: EAGLE-2's dynamic tree, and a DFlash block's.
+"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash): the building blocks the draft trees (tree.py) are made from.
 
 EAGLE-1/2: one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{t+1}), f_t)), where f_t is
 the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head and
@@ -13,13 +13,13 @@ some with flags that change the math (Eagle3Flags).
 DFlash: a block [last token, mask x (B-1)] drafted in one forward of a few non-causal Qwen3 layers whose keys and
 values also come from fc(the target's hidden states of several layers); B-1 draft distributions at once.
 
-Every head is a DraftHead: the cycle calls its expand() and catch_up(), so it has no branch per head kind.
+Every head is a DraftHead: the cycle calls its catch_up(), and the tree kind its step() and topk() (a DFlash
+head: block_topk()), so the cycle has no branch per head kind.
 
-Imports model.py (the layers it is built of), attention.py and quantize.py (an int8 lm_head's rows); the cycle in
-decode.py imports this file, and head_formats.py, which reads the published layouts into these classes.
+Imports model.py (the layers it is built of), attention.py, quantize.py (an int8 lm_head's rows) and tree.py;
+the cycle in decode.py imports this file, and head_formats.py, which reads the published layouts into these classes.
 """
 from dataclasses import dataclass
-from functools import partial
 from typing import Optional
 
 import torch
@@ -30,6 +30,7 @@ from attention import attention_mask
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
                    TransformerBlock)
 from quantize import Int8Linear
+from tree import DraftTree, block_tree, build_tree, take  # noqa: F401 (DraftTree, build_tree, block_tree: their old import path)
 
 
 class DraftHead(nn.Module):
@@ -76,11 +77,6 @@ class DraftHead(nn.Module):
             block.attention.kv_cache = self.kv_cache.layer(i)
         self.setup_rope(max_seq_length)
 
-    def expand(self, target: Transformer, tree, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> "DraftTree":
-        """The cycle's draft tree (tree: decode.TreeConfig): EAGLE-2's, tree.depth draft passes over the frontier."""
-        return build_tree(partial(self.step, target), partial(self.topk, target), h_last, root, ctx_len,
-                          tree.topk, tree.depth, tree.total_tokens, target.max_seq_length)
-
     def catch_up(self, target: Transformer, tokens: Tensor, features: Tensor, ctx_len: Tensor,
                  n_accepted: Tensor) -> Tensor:
         """The head reads the committed pairs (f_t, x_{t+1}) at positions ctx_len.. (tokens [T] and the target's
@@ -92,16 +88,9 @@ class DraftHead(nn.Module):
         h = self.step(target, tokens, features, pos, pos, attention_mask(ctx_len, causal, self.max_seq_length))
         return take(h, n_accepted[..., None])[..., 0, :]
 
-    def check_tree(self, tree):
-        """Refuse a tree (decode.TreeConfig) the head cannot draft."""
-
     def tree_grid(self) -> tuple:
         """--tree auto's trees (depth, top-k, total_tokens) for this head; (): the default grid."""
         return ()
-
-    def draft_passes(self, tree) -> int:
-        """Forwards of the head (each scoring with an lm_head) per cycle: the weights they read."""
-        return tree.depth + 1
 
     def topk(self, target: Transformer, h: Tensor, k: int):
         # Top-k of the raw logits, log-probabilities from their log-sum-exp: log_softmax shifts each row by one
@@ -280,17 +269,10 @@ class DFlashDraft(DraftHead):
             x = layer(x, cos, sin, pos, mask)
         return self.norm(x[:, 1:]).view(*root.shape, n - 1, -1)
 
-    def expand(self, target: Transformer, tree, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> "DraftTree":
-        """One pass over a block of tree.depth + 2; the tree from its positions' top-k (a chain for top-k 1)."""
-        self.check_tree(tree)
-        n = tree.depth + 2
-        logp, ids = self.topk(target, self.block_logits(target, root, ctx_len, n), tree.topk)
-        return block_tree(logp, ids, root, tree.total_tokens)
-
-    def check_tree(self, tree):
-        if tree.depth + 2 > self.block_size:
-            raise EagletError(f"a tree of depth {tree.depth} needs a block of {tree.depth + 2} tokens; this DFlash "
-                              f"head was trained on blocks of {self.block_size} (depth at most {self.block_size - 2})")
+    def block_topk(self, target: Transformer, root: Tensor, ctx_len: Tensor, n: int, k: int):
+        """A tree's building block: one pass over the block [root, mask x (n - 1)], the k best tokens of each of
+        its positions 1..n-1 (log-probabilities and target ids [..., n - 1, k])."""
+        return self.topk(target, self.block_logits(target, root, ctx_len, n), k)
 
     def tree_grid(self) -> tuple:
         """Chains of the whole block and of half of it, and trees of the block's depth (at most as wide as
@@ -305,8 +287,6 @@ class DFlashDraft(DraftHead):
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return target.output
 
-    def draft_passes(self, tree) -> int:
-        return 1
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:
@@ -317,110 +297,3 @@ def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:
     rows = nn.Linear(linear.in_features, len(ids), bias=False, device="meta")
     rows.weight = nn.Parameter(linear.weight[ids], requires_grad=False)
     return rows
-
-
-@dataclass
-class DraftTree:
-    """total_tokens tree nodes, the root (the last emitted token) first, parents before children. A batch of
-    trees (one per row) has a leading [B] on every field."""
-    tokens: Tensor  # [N] int64
-    parents: Tensor  # [N] tree index of the parent; the root points to itself
-    depths: Tensor  # [N] 0 for the root
-    ancestors: Tensor  # [N, N] bool: ancestors[i, j] = j is i or an ancestor of i
-    draft_logp: Tensor  # [N] the draft's log-probability of each node given its parent (0 for the root)
-
-
-def take(x: Tensor, index: Tensor) -> Tensor:
-    """x[..., index, :] row by row: x [..., n, d], index [..., m] -> [..., m, d] (a batch's own indices per row)."""
-    return x.gather(-2, index[..., None].expand(*index.shape, x.shape[-1]))
-
-
-def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, topk: int, depth: int,
-               total_tokens: int, max_seq_length: int) -> DraftTree:
-    """EAGLE-2's dynamic tree with fixed shapes and no loop over nodes: expand the topk best nodes of each
-    level topk ways (depth draft passes), then keep the total_tokens - 1 best of all candidates by cumulative
-    draft log-probability (a node's score is its whole path's).
-
-    step(tokens [k], features [k, dim], input_pos [k], slots [k], mask [k, S]) -> draft outputs [k, dim];
-    topk_fn(h [..., dim], k) -> the k best draft log-probabilities and their token ids [..., k]. Level i of the frontier sits at position
-    ctx_len + i and is written to draft slots ctx_len + i * topk + j. A batch: h_last [B, dim], root and
-    ctx_len [B], every shape above with a leading [B], one tree per row (each at its own ctx_len).
-    """
-    device = h_last.device
-    scores, tokens = topk_fn(h_last, topk)  # [..., k]
-    features = h_last[..., None, :].expand(*tokens.shape, -1)
-    frontier = torch.arange(topk, device=device).expand_as(tokens)  # pool indices of the frontier
-    width = depth * topk  # draft scratch slots
-    anc = torch.zeros(*tokens.shape, width, dtype=torch.bool, device=device)  # frontier's ancestors-and-self slots
-    pool_tokens, pool_scores, pool_logp = [tokens], [scores], [scores]
-    pool_parents = [torch.full_like(tokens, -1)]
-    start = ctx_len[..., None]  # [1] for one row, [B, 1] for a batch
-    for i in range(depth):
-        slots = torch.arange(i * topk, (i + 1) * topk, device=device)
-        anc[..., slots] |= torch.eye(topk, dtype=torch.bool, device=device)
-        h = step(tokens, features, (start + i).expand_as(tokens), start + slots,
-                 attention_mask(ctx_len, anc, max_seq_length))
-        child_logp, child_tokens = topk_fn(h, topk)  # [..., k, k]
-        child_scores = (scores[..., None] + child_logp).flatten(-2)
-        base = topk + i * topk * topk
-        pool_tokens.append(child_tokens.flatten(-2))
-        pool_scores.append(child_scores)
-        pool_logp.append(child_logp.flatten(-2))
-        pool_parents.append(frontier.repeat_interleave(topk, dim=-1))
-        scores, best = child_scores.topk(topk)
-        parent = best // topk
-        tokens, features, anc = child_tokens.flatten(-2).gather(-1, best), take(h, parent), take(anc, parent)
-        frontier = base + best
-    pool_scores = torch.cat(pool_scores, dim=-1)
-    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
-                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
-
-
-def block_tree(logp: Tensor, ids: Tensor, root: Tensor, total_tokens: int) -> DraftTree:
-    """A tree from a block's per-position top-k (logp, ids [..., levels, k]): every node at level i has the same
-    k children, position i + 1's candidates, scored by the product of their marginals. As in build_tree, the k
-    best paths of each level grow, then the total_tokens - 1 best nodes are kept; top-k 1 gives the chain."""
-    levels, k = logp.shape[-2:]
-    scores, frontier = logp[..., 0, :], torch.arange(k, device=ids.device).expand_as(ids[..., 0, :])
-    pool_tokens, pool_scores, pool_logp, pool_parents = [ids[..., 0, :]], [scores], [scores], [torch.full_like(frontier, -1)]
-    for i in range(1, levels):
-        child_logp = logp[..., i, None, :].expand(*scores.shape, k).flatten(-2)  # [..., k parents x k children]
-        child_scores = scores.repeat_interleave(k, dim=-1) + child_logp
-        pool_tokens.append(ids[..., i, None, :].expand(*scores.shape, k).flatten(-2))
-        pool_scores.append(child_scores)
-        pool_logp.append(child_logp)
-        pool_parents.append(frontier.repeat_interleave(k, dim=-1))
-        scores, best = child_scores.topk(k)
-        frontier = k + (i - 1) * k * k + best
-    return layout_tree(choose_nodes(torch.cat(pool_scores, dim=-1), total_tokens), torch.cat(pool_tokens, dim=-1),
-                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, levels)
-
-
-def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:
-    """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order
-    (per row of a batch).
-
-    The pool is in level order, so parents come before children; a child never scores above its parent,
-    and a stable sort breaks ties by pool order, so the kept set is a tree (every parent kept too)."""
-    order = torch.sort(pool_scores, dim=-1, descending=True, stable=True).indices
-    return order[..., :total_tokens - 1].sort(dim=-1).values
-
-
-def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels: int) -> DraftTree:
-    """The kept pool nodes as a DraftTree, the root in front and parents before children. pool_parents holds
-    pool indices (-1 for the first level: the root); levels bounds the depth below the root."""
-    device = pool_tokens.device
-    n, pool = kept.shape[-1] + 1, pool_tokens.shape[-1]
-    tree_index = torch.zeros(*kept.shape[:-1], pool + 1, dtype=torch.long, device=device)  # pool -> tree index
-    tree_index.scatter_(-1, kept, torch.arange(1, n, device=device).expand_as(kept))
-    # pool_parents is -1 at level 0, read as the extra last entry, which stays 0: the root.
-    parent_pool = pool_parents.gather(-1, kept) % (pool + 1)
-    first = torch.zeros(*kept.shape[:-1], 1, dtype=torch.long, device=device)
-    parents = torch.cat([first, tree_index.gather(-1, parent_pool)], dim=-1)
-    ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(*kept.shape[:-1], n, n)
-    for _ in range(levels):  # each pass adds one more generation of ancestors
-        ancestors = ancestors | take(ancestors, parents)
-    depths = ancestors.sum(dim=-1) - 1
-    tokens = torch.cat([root[..., None], pool_tokens.gather(-1, kept)], dim=-1)
-    draft_logp = torch.cat([first.float(), pool_logp.gather(-1, kept).float()], dim=-1)
-    return DraftTree(tokens, parents, depths, ancestors, draft_logp)

@@ -306,7 +306,7 @@ def configs(args, draft: Optional[DraftHead] = None):
     tree = TreeConfig(args.depth or head.default_depth, args.tree_topk or head.default_topk, 2)  # checks them
     auto = args.total_tokens == "auto"
     if draft is not None:
-        draft.check_tree(tree)
+        tree.check(draft)
     size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else \
         args.total_tokens or min(TreeConfig.total_tokens, tree.max_total_tokens)  # a chain: all its nodes
     return sampling, replace(tree, total_tokens=size)  # checks the size
@@ -368,8 +368,8 @@ def load(args, group=None):
         model.setup_caches(max_batch_size=rows, max_seq_length=size)
     if draft is not None:
         draft.setup_caches(model.max_seq_length, rows)
-    if draft is not None and tree.topk > draft.vocab_size:
-        raise EagletError(f"tree_topk {tree.topk} exceeds the draft's vocabulary ({draft.vocab_size})")
+    if draft is not None:
+        tree.check(draft)
     return model, tokenizer, draft, sampling, tree, prompts, rows
 
 
@@ -405,8 +405,8 @@ def batch_rows(args, model: Transformer, draft: Optional[DraftHead], n_prompts: 
 
 def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeConfig):
     """The start-up line: what runs, in which formats, where."""
-    head = f"head {short_path(args.draft_checkpoint_path)} ({weights_format(draft)}), tree {tree.total_tokens} " \
-        f"tokens, depth {tree.depth}, top-k {tree.topk}" if draft is not None else "no head (plain decoding)"
+    head = f"head {short_path(args.draft_checkpoint_path)} ({weights_format(draft)}), {tree.describe()}" \
+        if draft is not None else "no head (plain decoding)"
     ranks = f", tensor parallel over {dist.get_world_size(model.tp_group)} ranks" if model.tp_group else ""
     print(f"target {short_path(args.checkpoint_path)} ({weights_format(model)}); {head}; {args.device}, "
           f"{args.precision}{ranks}")

@@ -1,0 +1,200 @@
+"""The draft tree: what one cycle verifies, the tree kinds that build it from a head, and EAGLE-2's rerank.
+
+Every tree kind has the same interface, all the cycle, the cache and the tools ask of it:
+    total_tokens        nodes the target verifies per cycle, the root included
+    levels              tokens one cycle emits at most: the deepest path below the root, and the bonus token
+    scratch             cache slots used past the context
+    draft_passes(head)  forwards of the head per cycle, each scoring with an lm_head: the weights they read
+    describe()          one line for the start-up message
+    check(head)         refuse (EagletError) a head this tree cannot be drafted from
+    expand(target, head, root, ctx_len, h_last) -> DraftTree
+A new kind is one class with these and a flag in generate.model_flags. The kinds here: TreeConfig, EAGLE-2's
+dynamic tree (from a block drafter, the tree of its block's marginals), and StaticTree, a fixed node list
+(Medusa's and EAGLE-1's trees).
+
+Heads give building blocks, not trees: an EAGLE head step() (one draft pass over tokens paired with features)
+and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash: block_size set)
+block_topk(), the k best tokens of each block position from ONE pass.
+
+Imports attention.py and model.py; draft.py and decode.py import this file.
+"""
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from attention import attention_mask
+from model import EagletError, Transformer
+
+
+@dataclass
+class DraftTree:
+    """total_tokens tree nodes, the root (the last emitted token) first, parents before children. A batch of
+    trees (one per row) has a leading [B] on every field."""
+    tokens: Tensor  # [N] int64
+    parents: Tensor  # [N] tree index of the parent; the root points to itself
+    depths: Tensor  # [N] 0 for the root
+    ancestors: Tensor  # [N, N] bool: ancestors[i, j] = j is i or an ancestor of i
+    draft_logp: Tensor  # [N] the draft's log-probability of each node given its parent (0 for the root)
+
+
+def take(x: Tensor, index: Tensor) -> Tensor:
+    """x[..., index, :] row by row: x [..., n, d], index [..., m] -> [..., m, d] (a batch's own indices per row)."""
+    return x.gather(-2, index[..., None].expand(*index.shape, x.shape[-1]))
+
+
+def is_block_drafter(head) -> bool:
+    """A head that drafts a whole block in one pass (DFlash) rather than one level per pass (EAGLE)."""
+    return getattr(head, "block_size", None) is not None
+
+
+def check_topk(head, topk: int):
+    if topk > head.vocab_size:
+        raise EagletError(f"tree_topk {topk} exceeds the draft's vocabulary ({head.vocab_size})")
+
+
+def check_block(head, depth: int):
+    if is_block_drafter(head) and depth + 2 > head.block_size:
+        raise EagletError(f"a tree of depth {depth} needs a block of {depth + 2} tokens; this DFlash head was "
+                          f"trained on blocks of {head.block_size} (depth at most {head.block_size - 2})")
+
+
+@dataclass
+class TreeConfig:
+    """EAGLE-2's dynamic tree: the topk best nodes of each level grow topk children each, depth levels deep, and
+    the total_tokens - 1 best of every candidate by path probability are verified. From a block drafter, the
+    same growth over its block's per-position top-k (one pass); --tree_topk 1 is a chain."""
+    depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
+    topk: int = 10  # children per expanded node, and nodes kept per level
+    total_tokens: int = 60  # tokens the target verifies per cycle, root included
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1:
+            raise EagletError(f"depth and tree_topk must be at least 1, got {self.depth} and {self.topk}")
+        if not 2 <= self.total_tokens <= self.max_total_tokens:
+            raise EagletError(f"total_tokens must be between 2 and {self.max_total_tokens} (1 + tree_topk + "
+                              f"depth * tree_topk^2) for this depth and tree_topk, got {self.total_tokens}")
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The root plus every candidate the expansion produces."""
+        return 1 + self.topk + self.depth * self.topk ** 2
+
+    @property
+    def levels(self) -> int:
+        return self.depth + 2
+
+    @property
+    def scratch(self) -> int:
+        """The verified tree, the draft's levels (depth x topk slots), the catch-up."""
+        return max(self.total_tokens, self.depth * self.topk, self.levels)
+
+    def draft_passes(self, head) -> int:
+        return 1 if is_block_drafter(head) else self.depth + 1
+
+    def describe(self) -> str:
+        return f"tree {self.total_tokens} tokens, depth {self.depth}, top-k {self.topk}"
+
+    def check(self, head):
+        check_block(head, self.depth)
+        check_topk(head, self.topk)
+
+    def expand(self, target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> DraftTree:
+        if is_block_drafter(head):
+            check_block(head, self.depth)
+            logp, ids = head.block_topk(target, root, ctx_len, self.depth + 2, self.topk)
+            return block_tree(logp, ids, root, self.total_tokens)
+        return build_tree(partial(head.step, target), partial(head.topk, target), h_last, root, ctx_len,
+                          self.topk, self.depth, self.total_tokens, target.max_seq_length)
+
+
+def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, topk: int, depth: int,
+               total_tokens: int, max_seq_length: int) -> DraftTree:
+    """EAGLE-2's dynamic tree with fixed shapes and no loop over nodes: expand the topk best nodes of each
+    level topk ways (depth draft passes), then keep the total_tokens - 1 best of all candidates by cumulative
+    draft log-probability (a node's score is its whole path's).
+
+    step(tokens [k], features [k, dim], input_pos [k], slots [k], mask [k, S]) -> draft outputs [k, dim];
+    topk_fn(h [..., dim], k) -> the k best draft log-probabilities and their token ids [..., k]. Level i of the frontier sits at position
+    ctx_len + i and is written to draft slots ctx_len + i * topk + j. A batch: h_last [B, dim], root and
+    ctx_len [B], every shape above with a leading [B], one tree per row (each at its own ctx_len).
+    """
+    device = h_last.device
+    scores, tokens = topk_fn(h_last, topk)  # [..., k]
+    features = h_last[..., None, :].expand(*tokens.shape, -1)
+    frontier = torch.arange(topk, device=device).expand_as(tokens)  # pool indices of the frontier
+    width = depth * topk  # draft scratch slots
+    anc = torch.zeros(*tokens.shape, width, dtype=torch.bool, device=device)  # frontier's ancestors-and-self slots
+    pool_tokens, pool_scores, pool_logp = [tokens], [scores], [scores]
+    pool_parents = [torch.full_like(tokens, -1)]
+    start = ctx_len[..., None]  # [1] for one row, [B, 1] for a batch
+    for i in range(depth):
+        slots = torch.arange(i * topk, (i + 1) * topk, device=device)
+        anc[..., slots] |= torch.eye(topk, dtype=torch.bool, device=device)
+        h = step(tokens, features, (start + i).expand_as(tokens), start + slots,
+                 attention_mask(ctx_len, anc, max_seq_length))
+        child_logp, child_tokens = topk_fn(h, topk)  # [..., k, k]
+        child_scores = (scores[..., None] + child_logp).flatten(-2)
+        base = topk + i * topk * topk
+        pool_tokens.append(child_tokens.flatten(-2))
+        pool_scores.append(child_scores)
+        pool_logp.append(child_logp.flatten(-2))
+        pool_parents.append(frontier.repeat_interleave(topk, dim=-1))
+        scores, best = child_scores.topk(topk)
+        parent = best // topk
+        tokens, features, anc = child_tokens.flatten(-2).gather(-1, best), take(h, parent), take(anc, parent)
+        frontier = base + best
+    pool_scores = torch.cat(pool_scores, dim=-1)
+    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
+                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
+
+
+def block_tree(logp: Tensor, ids: Tensor, root: Tensor, total_tokens: int) -> DraftTree:
+    """A tree from a block's per-position top-k (logp, ids [..., levels, k]): every node at level i has the same
+    k children, position i + 1's candidates, scored by the product of their marginals. As in build_tree, the k
+    best paths of each level grow, then the total_tokens - 1 best nodes are kept; top-k 1 gives the chain."""
+    levels, k = logp.shape[-2:]
+    scores, frontier = logp[..., 0, :], torch.arange(k, device=ids.device).expand_as(ids[..., 0, :])
+    pool_tokens, pool_scores, pool_logp, pool_parents = [ids[..., 0, :]], [scores], [scores], [torch.full_like(frontier, -1)]
+    for i in range(1, levels):
+        child_logp = logp[..., i, None, :].expand(*scores.shape, k).flatten(-2)  # [..., k parents x k children]
+        child_scores = scores.repeat_interleave(k, dim=-1) + child_logp
+        pool_tokens.append(ids[..., i, None, :].expand(*scores.shape, k).flatten(-2))
+        pool_scores.append(child_scores)
+        pool_logp.append(child_logp)
+        pool_parents.append(frontier.repeat_interleave(k, dim=-1))
+        scores, best = child_scores.topk(k)
+        frontier = k + (i - 1) * k * k + best
+    return layout_tree(choose_nodes(torch.cat(pool_scores, dim=-1), total_tokens), torch.cat(pool_tokens, dim=-1),
+                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, levels)
+
+
+def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:
+    """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order
+    (per row of a batch).
+
+    The pool is in level order, so parents come before children; a child never scores above its parent,
+    and a stable sort breaks ties by pool order, so the kept set is a tree (every parent kept too)."""
+    order = torch.sort(pool_scores, dim=-1, descending=True, stable=True).indices
+    return order[..., :total_tokens - 1].sort(dim=-1).values
+
+
+def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels: int) -> DraftTree:
+    """The kept pool nodes as a DraftTree, the root in front and parents before children. pool_parents holds
+    pool indices (-1 for the first level: the root); levels bounds the depth below the root."""
+    device = pool_tokens.device
+    n, pool = kept.shape[-1] + 1, pool_tokens.shape[-1]
+    tree_index = torch.zeros(*kept.shape[:-1], pool + 1, dtype=torch.long, device=device)  # pool -> tree index
+    tree_index.scatter_(-1, kept, torch.arange(1, n, device=device).expand_as(kept))
+    # pool_parents is -1 at level 0, read as the extra last entry, which stays 0: the root.
+    parent_pool = pool_parents.gather(-1, kept) % (pool + 1)
+    first = torch.zeros(*kept.shape[:-1], 1, dtype=torch.long, device=device)
+    parents = torch.cat([first, tree_index.gather(-1, parent_pool)], dim=-1)
+    ancestors = torch.eye(n, dtype=torch.bool, device=device).expand(*kept.shape[:-1], n, n)
+    for _ in range(levels):  # each pass adds one more generation of ancestors
+        ancestors = ancestors | take(ancestors, parents)
+    depths = ancestors.sum(dim=-1) - 1
+    tokens = torch.cat([root[..., None], pool_tokens.gather(-1, kept)], dim=-1)
+    draft_logp = torch.cat([first.float(), pool_logp.gather(-1, kept).float()], dim=-1)
+    return DraftTree(tokens, parents, depths, ancestors, draft_logp)
