@@ -2,7 +2,7 @@
 commit, catch-up: speculative_cycle) and generate / generate_batch, which run them and read their tokens back;
 last, what a step reads in weights (the GB/s figures).
 
-Imports model.py, attention.py, tree.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above
+Imports model.py, attention.py, draft_tree.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above
 them.
 The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
 main runs the tuner: with the cycle in generate.py, the two would import each other. generate.py re-exports
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from draft import DraftHead
-from tree import DraftTree, TreeConfig, take
+from draft_tree import DraftTree, TreeConfig, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
 from quantize import Int4Linear, Int8Linear

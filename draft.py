@@ -1,4 +1,4 @@
-"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash): the building blocks the draft trees (tree.py) are made from.
+"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash): the building blocks the draft trees (draft_tree.py) are made from.
 
 EAGLE-1/2: one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{t+1}), f_t)), where f_t is
 the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head and
@@ -16,7 +16,7 @@ values also come from fc(the target's hidden states of several layers); B-1 draf
 Every head is a DraftHead: the cycle calls its catch_up(), and the tree kind its step() and topk() (a DFlash
 head: block_topk()), so the cycle has no branch per head kind.
 
-Imports model.py (the layers it is built of), attention.py, quantize.py (an int8 lm_head's rows) and tree.py;
+Imports model.py (the layers it is built of), attention.py, quantize.py (an int8 lm_head's rows) and draft_tree.py;
 the cycle in decode.py imports this file, and head_formats.py, which reads the published layouts into these classes.
 """
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ from attention import attention_mask
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
                    TransformerBlock)
 from quantize import Int8Linear
-from tree import DraftTree, block_tree, build_tree, take  # noqa: F401 (DraftTree, build_tree, block_tree: their old import path)
+from draft_tree import DraftTree, block_tree, build_tree, take  # noqa: F401 (DraftTree, build_tree, block_tree: their old import path)
 
 
 class DraftHead(nn.Module):

@@ -29,6 +29,17 @@ def total_tokens_flag(text: str):
     return text if text == "auto" else int_flag(2)(text)
 
 
+def json_paths(text: str) -> tuple:
+    """--tree_choices: a JSON list of paths (lists); StaticTree checks what they say."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ArgumentTypeError(f"not JSON: {text[:60]!r}")
+    if not isinstance(value, list) or not all(isinstance(p, list) for p in value):
+        raise ArgumentTypeError("a JSON list of paths, each a list of child ranks, e.g. [[0], [1], [0, 0]]")
+    return tuple(tuple(p) for p in value)
+
+
 def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -60,13 +71,18 @@ def model_flags(p):
     p.add_argument("--total_tokens", type=total_tokens_flag, default=None,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up "
                         "(default: 60, or all the nodes of a smaller tree: a chain's depth + 2)")
-    p.add_argument("--tree", choices=["given", "auto"], default="given",
-                   help="given: the tree of --depth, --tree_topk and --total_tokens; auto: measure each tree of "
+    p.add_argument("--tree", choices=["given", "auto", "static"], default="given",
+                   help="given: EAGLE-2's dynamic tree of --depth, --tree_topk and --total_tokens; static: the same "
+                        "tree every cycle, --tree_choices; auto: measure each tree of "
                         f"depth/tree_topk/total_tokens {grid_text()} on this device at batch 1 (tau: greedy decoding "
                         f"of {len(CALIBRATION_PROMPTS)} built-in prompts, {CALIBRATION_TOKENS} tokens each; the time "
                         "of its cycle) and keep the most tokens/s = tau / cycle time; the choice is kept in "
                         "$EAGLET_CACHE/tree_choice.json (~/.cache/eaglet/) for this target, head, device, format and "
                         "precision, and later runs read it")
+    p.add_argument("--tree_choices", type=json_paths, default=None,
+                   help="--tree static: its nodes as paths of child ranks from the root, as JSON, e.g. "
+                        "'[[0], [1], [0, 0], [0, 1], [0, 0, 0]]' ([1]: the root's second-best draft; [0, 0]: the best "
+                        "draft after [0]); default: a built-in tree of 26 nodes, 6 deep")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
@@ -90,12 +106,14 @@ def check_model_flags(p, args):
         args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
     if args.no_draft:
         args.draft_checkpoint_path = None
-    if args.tree == "auto":
+    if args.tree in ("auto", "static"):
         given = [f for f in ("depth", "tree_topk", "total_tokens") if getattr(args, f) is not None]
         if given:
-            p.error(f"--tree auto picks depth, tree_topk and total_tokens itself: leave out --{given[0]}")
+            p.error(f"--tree {args.tree} sets depth, tree_topk and total_tokens itself: leave out --{given[0]}")
         if not args.draft_checkpoint_path:
-            p.error("--tree auto tunes the draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
+            p.error(f"--tree {args.tree} is a draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
+    if args.tree_choices is not None and args.tree != "static":
+        p.error("--tree_choices is the shape of --tree static: give both")
 
 
 def parse_args(argv=None):
@@ -186,6 +204,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa: E402
+from draft_tree import STATIC_CHOICES, StaticTree  # noqa: E402
 from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
@@ -300,6 +319,11 @@ def configs(args, draft: Optional[DraftHead] = None):
     auto or --tree auto, the tree sized for its largest candidate (the cache is sized for it; the choice itself
     is made once the model is loaded)."""
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
+    if args.tree == "static":
+        tree = StaticTree(args.tree_choices or STATIC_CHOICES)
+        if draft is not None:
+            tree.check(draft)
+        return sampling, tree
     if args.tree == "auto":  # the grid's tree of the most scratch, for the cache; the tree itself is tuned later
         return sampling, widest_tree(draft)
     head = draft or DraftHead

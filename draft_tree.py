@@ -16,7 +16,8 @@ Heads give building blocks, not trees: an EAGLE head step() (one draft pass over
 and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash: block_size set)
 block_topk(), the k best tokens of each block position from ONE pass.
 
-Imports attention.py and model.py; draft.py and decode.py import this file.
+Imports attention.py and model.py; draft.py and decode.py import this file. (Not named tree.py: torch.compile
+skips a module of that name, taking it for the dm-tree package, and the cycle would not compile.)
 """
 from dataclasses import dataclass
 from functools import partial
@@ -198,3 +199,127 @@ def layout_tree(kept: Tensor, pool_tokens, pool_logp, pool_parents, root, levels
     tokens = torch.cat([root[..., None], pool_tokens.gather(-1, kept)], dim=-1)
     draft_logp = torch.cat([first.float(), pool_logp.gather(-1, kept).float()], dim=-1)
     return DraftTree(tokens, parents, depths, ancestors, draft_logp)
+
+
+# A static tree of 26 nodes, 6 deep: wide near the root, where drafts are accepted most, one path deep below.
+STATIC_CHOICES = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
+                  (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+                  (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 1, 0), (0, 0, 1, 0, 0), (1, 0, 0, 0, 0),
+                  (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 1, 0))
+
+
+@dataclass
+class StaticTree:
+    """A fixed tree (Medusa's, EAGLE-1's): its nodes given as paths of child ranks from the root, (0,) the root's
+    best draft, (1,) its second best, (0, 0) the best draft after (0,). Every node's token is its parent's
+    rank-th best draft; level by level, one draft pass over a level's nodes gives the next level's (a DFlash
+    head: one pass for all). The same shape every cycle, chosen ahead of time."""
+    choices: tuple = STATIC_CHOICES
+
+    def __post_init__(self):
+        paths = {tuple(p) for p in self.choices} if isinstance(self.choices, (list, tuple)) else None
+        if not paths or not all(p and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+                                for p in paths):
+            raise EagletError("a static tree is a non-empty list of paths, each a non-empty list of child ranks "
+                              "(integers from 0), e.g. [[0], [1], [0, 0]]")
+        if len(paths) != len(self.choices):
+            raise EagletError("a static tree lists a path twice")
+        orphan = next((p for p in paths if len(p) > 1 and p[:-1] not in paths), None)
+        if orphan is not None:
+            raise EagletError(f"the static tree's path {list(orphan)} has no parent {list(orphan[:-1])} in the tree")
+        self.choices = tuple(sorted(paths, key=lambda p: (len(p), p)))  # parents before children
+        self.tables = {}
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.choices) + 1
+
+    @property
+    def depth(self) -> int:
+        """Levels below the root."""
+        return max(len(p) for p in self.choices)
+
+    @property
+    def topk(self) -> int:
+        """Drafts read per parent: the highest child rank, plus one."""
+        return 1 + max(p[-1] for p in self.choices)
+
+    @property
+    def levels(self) -> int:
+        return self.depth + 1
+
+    @property
+    def scratch(self) -> int:
+        """The verified tree, and a draft slot for each node of the levels a pass runs over (all but the last)."""
+        return max(self.total_tokens, sum(len(p) < self.depth for p in self.choices), self.levels)
+
+    def draft_passes(self, head) -> int:
+        return 1 if is_block_drafter(head) else self.depth
+
+    def describe(self) -> str:
+        return f"static tree of {self.total_tokens} tokens, depth {self.depth}"
+
+    def check(self, head):
+        check_block(head, self.depth - 1)
+        check_topk(head, self.topk)
+
+    def table(self, device) -> dict:
+        """The shape as index tensors on device, made once: for each level its nodes' tree indices, their
+        parents' places in the level above and their ranks; the tree's parents, depths and ancestors; each node's
+        draft slot and the draft slots of its ancestors-and-self (for the levels a pass runs over)."""
+        if device not in self.tables:
+            index = {p: i + 1 for i, p in enumerate(self.choices)}
+            stepped = [p for p in self.choices if len(p) < self.depth]
+            slot = {p: i for i, p in enumerate(stepped)}
+            levels = []
+            for d in range(1, self.depth + 1):
+                nodes = [p for p in self.choices if len(p) == d]
+                above = [p for p in self.choices if len(p) == d - 1]
+                levels.append({"tree": [index[p] for p in nodes], "rank": [p[-1] for p in nodes],
+                               "parent": [above.index(p[:-1]) if d > 1 else 0 for p in nodes],
+                               "slots": [slot[p] for p in nodes] if d < self.depth else []})
+            n, width = self.total_tokens, max(1, len(stepped))
+            ancestors = torch.eye(n, dtype=torch.bool)
+            ancestors[:, 0] = True  # the root is everyone's
+            draft_seen = torch.zeros(n, width, dtype=torch.bool)
+            for p in self.choices:
+                for k in range(1, len(p) + 1):
+                    ancestors[index[p], index[p[:k]]] = True
+                    if p[:k] in slot:
+                        draft_seen[index[p], slot[p[:k]]] = True
+            parents = [0] + [index[p[:-1]] if len(p) > 1 else 0 for p in self.choices]
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self.tables[device] = {
+                "levels": [{k: as_tensor(v) for k, v in level.items()} for level in levels],
+                "parents": as_tensor(parents), "depths": as_tensor([0] + [len(p) for p in self.choices]),
+                "ancestors": ancestors.to(device), "draft_seen": draft_seen.to(device)}
+        return self.tables[device]
+
+    def expand(self, target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> DraftTree:
+        t = self.table(root.device)
+        batch = root.shape
+        tokens = root[..., None].repeat(*([1] * root.ndim), self.total_tokens)
+        logp = torch.zeros(*batch, self.total_tokens, device=root.device)
+        if is_block_drafter(head):  # one pass: a node's drafts are its level's block position's, whatever its parent
+            check_block(head, self.depth - 1)
+            block_logp, block_ids = head.block_topk(target, root, ctx_len, self.depth + 1, self.topk)
+            for d, level in enumerate(t["levels"]):
+                tokens[..., level["tree"]] = block_ids[..., d, level["rank"]]
+                logp[..., level["tree"]] = block_logp[..., d, level["rank"]]
+        else:
+            child_logp, child_ids = head.topk(target, h_last[..., None, :], self.topk)  # [..., 1, k]: the root's
+            features = h_last[..., None, :]
+            start = ctx_len[..., None]
+            for d, level in enumerate(t["levels"]):
+                tokens[..., level["tree"]] = child_ids[..., level["parent"], level["rank"]]
+                logp[..., level["tree"]] = child_logp[..., level["parent"], level["rank"]].float()
+                if d + 1 == self.depth:
+                    break
+                features = features[..., level["parent"], :]
+                mask = attention_mask(ctx_len, t["draft_seen"][level["tree"]], target.max_seq_length)
+                h = head.step(target, tokens[..., level["tree"]], features, (start + d).expand_as(level["slots"] + start),
+                              start + level["slots"], mask)
+                child_logp, child_ids, features = *head.topk(target, h, self.topk), h
+        shape = (*batch, self.total_tokens)
+        return DraftTree(tokens, t["parents"].expand(shape), t["depths"].expand(shape),
+                         t["ancestors"].expand(*shape, self.total_tokens), logp)
