@@ -314,6 +314,11 @@ MUTANTS = [
     M("logits: an EAGLE head scores with the lm_head directly, not through Transformer.logits", "draft.py",
       "        return target.logits(h, self.vocab_lm_head)",
       "        return (target.output if self.vocab_lm_head is None else self.vocab_lm_head)(h)"),
+    M("static tree: the root left out of every node's ancestors", "draft_tree.py",
+      "            ancestors[:, 0] = True  # the root is everyone's\n", ""),
+    M("static tree: a level's drafts taken from the first node above, not each node's parent", "draft_tree.py",
+      "                tokens[..., level[\"tree\"]] = child_ids[..., level[\"parent\"], level[\"rank\"]]",
+      "                tokens[..., level[\"tree\"]] = child_ids[..., 0, level[\"rank\"]]"),
     M("int4 in fp32 on a CPU: dequantized around 7, not 8", "quantize.py",
       "return (values.to(scales.dtype) - 8) * scales + zeros", "return (values.to(scales.dtype) - 7) * scales + zeros"),
 ]

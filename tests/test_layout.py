@@ -76,3 +76,16 @@ def test_the_model_imports_only_attention_and_checkpoint():
     """model.py stands on attention.py and checkpoint.py alone: a fork reading the LLaMA reads only those."""
     assert eaglet_imports(ROOT / "model.py") == ({"attention", "checkpoint"}, {"quantize"})
     assert eaglet_imports(ROOT / "checkpoint.py") == (set(), set())
+
+
+def test_the_readme_line_counts_are_the_files():
+    """The line counts the README states (its file table, and the core's and the cycle's totals) are the files'."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = lambda name: len((ROOT / name).read_text(encoding="utf-8").splitlines())  # noqa: E731
+    rows = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", text, re.M)
+    assert len(rows) > 20
+    wrong = {name: (int(n), lines(name)) for name, n in rows if int(n) != lines(name)}
+    assert not wrong, f"README line counts (stated, actual): {wrong}"
+    totals = re.search(r"The core \((.*?)\) is (\d+) lines; what one cycle runs\n\((.*?)\) is (\d+)", text, re.S)
+    for names, stated in ((totals.group(1), totals.group(2)), (totals.group(3), totals.group(4))):
+        assert sum(lines(n) for n in re.findall(r"`([\w/]+\.py)`", names)) == int(stated), names
