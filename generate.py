@@ -109,9 +109,11 @@ def check_model_flags(p, args):
     if args.tree in ("auto", "static"):
         given = [f for f in ("depth", "tree_topk", "total_tokens") if getattr(args, f) is not None]
         if given:
-            p.error(f"--tree {args.tree} sets depth, tree_topk and total_tokens itself: leave out --{given[0]}")
+            p.error(f"--tree {args.tree} {'picks' if args.tree == 'auto' else 'sets'} depth, tree_topk and "
+                    f"total_tokens itself: leave out --{given[0]}")
         if not args.draft_checkpoint_path:
-            p.error(f"--tree {args.tree} is a draft tree: it needs a head (--draft_checkpoint_path, and no --no_draft)")
+            p.error(f"--tree {args.tree} {'tunes' if args.tree == 'auto' else 'is'} the draft tree: it needs a head "
+                    "(--draft_checkpoint_path, and no --no_draft)")
     if args.tree_choices is not None and args.tree != "static":
         p.error("--tree_choices is the shape of --tree static: give both")
 
