@@ -7,7 +7,7 @@ import torch
 import generate
 from conftest import ROOT, expect_error, read_generation
 from attention import causal_mask
-from decode import SamplingConfig, compile_step, speculative_cycle
+from decode import SamplingConfig, compile_step, draft_start, prefill, speculative_cycle
 from draft_tree import StaticTree
 from model import EagletError
 from tokenizer import Tokenizer
@@ -96,3 +96,22 @@ def test_the_cli_flag(tmp_path):
     expect_error(["--tree", "static", "--tree_choices", "[[0], [2, 0]]"], "has no parent [2]")
     expect_error(["--tree", "static", "--depth", "3"], "leave out --depth")
     expect_error(["--tree_choices", "[[0]]"], "give both")
+
+
+@pytest.mark.parametrize("head", ["head", "head3"])
+def test_a_nodes_drafts_depend_on_its_ancestors_alone(demo, head):
+    """From an EAGLE head, a node's token is its own parent's rank-th draft: the same in the whole tree and in a
+    tree of its path alone (a draft taken after another node of the level above would differ)."""
+    target, prompts, _ = demo
+    draft = generate.load_draft(DEMO / head / "draft.pth", target)
+    tree = StaticTree(CHOICES)
+    with torch.no_grad():
+        logits, features = prefill(target, torch.tensor([prompts[0]]), 0)
+        root, ctx = logits.argmax(-1)[0], torch.tensor(len(prompts[0]))
+        h_last = draft_start(target, draft, prompts[0], 0, features, root)
+        whole = tree.expand(target, draft, root, ctx, h_last)
+        for path in ((1, 0), (0, 1, 0), (0, 0, 1)):
+            alone = StaticTree(tuple(path[:k] for k in range(1, len(path) + 1))).expand(target, draft, root, ctx, h_last)
+            i = tree.choices.index(path) + 1
+            assert whole.tokens[i] == alone.tokens[-1], path
+            assert torch.allclose(whole.draft_logp[i], alone.draft_logp[-1], atol=1e-5), path
