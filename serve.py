@@ -149,7 +149,7 @@ class Engine:
         # spinning by earlier torch work, competed with this thread's (a matmul took 15x as long).
         try:
             self.load(args)
-        except EagletError as e:
+        except Exception as e:  # a user mistake (EagletError) or a bug: main raises it, never a server with no engine
             self.failure = e
         finally:
             ready.set()
