@@ -130,6 +130,7 @@ def test_seeded_sampling_repeats(client):
 
 
 def test_models_health_metrics(server, client):
+    client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)  # one ok request at least
     assert [m.id for m in client.models.list().data] == ["target/model.pth"]
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server + "/metrics").text
