@@ -145,7 +145,7 @@ def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: in
     a batch of trees: the same per row, with a leading [B].
     """
     pick = sample(logits, sampling)  # [N]
-    correct = tree.tokens == pick.gather(-1, tree.parents)
+    correct = (tree.tokens == pick.gather(-1, tree.parents)) & (tree.draft_logp > float("-inf"))
     correct[..., 0] = True
     accepted = (tree.ancestors & ~correct[..., None, :]).sum(dim=-1) == 0  # the node and all its ancestors correct
     # Siblings differ, so the accepted nodes form one chain; take its end. (Indices stay 1-element

@@ -1,4 +1,4 @@
-"""Draft heads (EAGLE-1/2, EAGLE-3 and DFlash): the building blocks the draft trees (draft_tree.py) are made from.
+"""Draft heads (EAGLE-1/2, EAGLE-3, DFlash and DSpark): the building blocks the draft trees (draft_tree.py) are made from.
 
 EAGLE-1/2: one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{t+1}), f_t)), where f_t is
 the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head and
@@ -13,8 +13,11 @@ some with flags that change the math (Eagle3Flags).
 DFlash: a block [last token, mask x (B-1)] drafted in one forward of a few non-causal Qwen3 layers whose keys and
 values also come from fc(the target's hidden states of several layers); B-1 draft distributions at once.
 
-Every head is a DraftHead: the cycle calls its catch_up(), and the tree kind its step() and topk() (a DFlash
-head: block_topk()), so the cycle has no branch per head kind.
+DSpark: DFlash's block with every row drafting, and a Markov head that adds to each row's logits a low-rank bias
+from the token drafted before it (and a confidence head).
+
+Every head is a DraftHead: the cycle calls its catch_up(), and the tree kind its step() and topk() (a block
+drafter: block_states(), next_logits() and cut()), so the cycle has no branch per head kind.
 
 Imports model.py (the layers it is built of), attention.py, quantize.py (an int8 lm_head's rows) and draft_tree.py;
 the cycle in decode.py imports this file, and head_formats.py, which reads the published layouts into these classes.
@@ -93,9 +96,11 @@ class DraftHead(nn.Module):
         return ()
 
     def topk(self, target: Transformer, h: Tensor, k: int):
+        return self.topk_of_logits(self.logits(target, h), k)
+
+    def topk_of_logits(self, logits: Tensor, k: int):
         # Top-k of the raw logits, log-probabilities from their log-sum-exp: log_softmax shifts each row by one
         # constant, so the same tokens win, without writing a float32 [rows, vocab] copy to pick them from.
-        logits = self.logits(target, h)
         values, ids = logits.topk(k, dim=-1)
         logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
         return logp, ids if self.draft_to_target is None else self.draft_to_target[ids]
@@ -212,30 +217,45 @@ class DFlashDraft(DraftHead):
     """DFlash: a block [root, mask x (block - 1)] drafted in ONE forward of a few Qwen3 layers. The context is
     fc(the target's features of several layers) -> hidden_norm; each layer projects it to keys and values
     (k_norm, RoPE at the context's own positions) that catch_up writes to the head's cache once, with no attention.
-    The block's queries see all that context and the WHOLE block (not causal); the final norm and the TARGET's
-    lm_head turn block positions 1.. into one draft distribution each. The block's own K/V go to scratch slots
-    after the context and are overwritten by the next catch-up. The head has no embedding or lm_head."""
+    The block's queries see all that context and the WHOLE block (not causal); the final norm and an lm_head turn
+    the block's draft rows into one draft distribution each: rows 1.. (DFlash's convention), or every row, the
+    root's included (anchor_drafts: speculators' sample_from_anchor, DSpark's convention), row k drafting the token
+    k + 1 after the root either way. The lm_head is the TARGET's, or the head's own over a smaller draft vocabulary
+    (speculators' heads: lm_head and d2t). The block's own K/V go to scratch slots after the context and are
+    overwritten by the next catch-up."""
 
     default_topk = 1  # the chain, as DFlash's authors decode
 
-    def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int):
+    def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int,
+                 anchor_drafts: bool = False, draft_vocab_size: int = 0):
         super().__init__(args)
         self.fc = nn.Linear(n_features * args.dim, args.dim, bias=False)
         self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False) if draft_vocab_size else None
+        self.block_size, self.mask_token_id, self.anchor_drafts = block_size, mask_token_id, anchor_drafts
+
+    @property
+    def first_row(self) -> int:
+        """The block row that drafts the token after the root."""
+        return 0 if self.anchor_drafts else 1
+
+    @property
+    def max_levels(self) -> int:
+        """Drafts one block of block_size gives: the levels of a tree below its root."""
+        return self.block_size - self.first_row
 
     @property
     def default_depth(self) -> int:
-        """A tree's depth + 2 tokens make the block: the root and one mask per level below it."""
-        return self.block_size - 2
+        """A tree's depth + 1 levels below the root: the whole block's drafts."""
+        return self.max_levels - 1
 
     def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
         window = self.args.sliding_window
         if window and max_seq_length > window:
-            raise EagletError(f"{max_seq_length} tokens exceed the DFlash head's sliding window ({window}); eaglet "
-                              "runs its layers with full attention, which is exact only within the window")
+            raise EagletError(f"{max_seq_length} tokens exceed the {head_name(self)} head's sliding window ({window}); "
+                              "eaglet runs its layers with full attention, which is exact only within the window")
         super().setup_caches(max_seq_length, max_batch_size)
 
     def blocks(self) -> list:
@@ -255,9 +275,11 @@ class DFlashDraft(DraftHead):
             layer.attention.kv_cache.update(pos, k, v)
         return take(context, n_accepted[..., None])[..., 0, :]
 
-    def block_logits(self, target: Transformer, root: Tensor, ctx_len: Tensor, n: int) -> Tensor:
-        """The block [root, mask x (n - 1)] at positions ctx_len.. -> the final-normed outputs of its positions
-        1..n-1 [..., n - 1, dim] (root and ctx_len 0-d, or [B] for a batch)."""
+    def block_states(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int) -> Tensor:
+        """The block [root, mask...] at positions ctx_len.. (root the anchor, at its own position), long enough for
+        levels drafts -> the final-normed outputs of its draft rows [..., levels, dim] (root and ctx_len 0-d, or
+        [B] for a batch)."""
+        n = self.first_row + levels
         masks = torch.full((*root.shape, n - 1), self.mask_token_id, dtype=root.dtype, device=root.device)
         tokens = torch.cat([root[..., None], masks], dim=-1)
         pos = ctx_len[..., None] + torch.arange(n, device=ctx_len.device)
@@ -267,26 +289,74 @@ class DFlashDraft(DraftHead):
         mask = attention_mask(ctx_len, every, self.max_seq_length)
         for layer in self.layers:
             x = layer(x, cos, sin, pos, mask)
-        return self.norm(x[:, 1:]).view(*root.shape, n - 1, -1)
+        return self.norm(x[:, self.first_row:]).view(*root.shape, levels, -1)
 
-    def block_topk(self, target: Transformer, root: Tensor, ctx_len: Tensor, n: int, k: int):
-        """A tree's building block: one pass over the block [root, mask x (n - 1)], the k best tokens of each of
-        its positions 1..n-1 (log-probabilities and target ids [..., n - 1, k])."""
-        return self.topk(target, self.block_logits(target, root, ctx_len, n), k)
+    def block_topk(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int, k: int):
+        """The k best tokens of each of the block's levels draft rows from one pass, each row on its own (the
+        marginals: log-probabilities and target ids [..., levels, k])."""
+        return self.topk(target, self.block_states(target, root, ctx_len, levels), k)
+
+    def next_logits(self, row_logits: Tensor, prev: Tensor) -> Tensor:
+        """A row's draft logits given the token before it (prev [..., m], target ids): a DFlash row ignores it,
+        the same logits [..., 1, vocab] for every m."""
+        return row_logits
+
+    def cut(self, row_state: Tensor, prev: Tensor):
+        """Which drafts after prev to leave unverified (a confidence threshold); None: none."""
+        return None
 
     def tree_grid(self) -> tuple:
         """Chains of the whole block and of half of it, and trees of the block's depth (at most as wide as
         their nodes allow)."""
-        depth, half = self.block_size - 2, max(1, (self.block_size - 2) // 2)
+        depth = self.default_depth
+        half = max(1, depth // 2)
         points = [(depth, 1, depth + 2), (half, 1, half + 2)] + [(depth, k, n) for k, n in ((3, 16), (4, 32), (10, 60))]
         return tuple(dict.fromkeys((d, k, min(n, 1 + k + d * k * k)) for d, k, n in points))
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
-        return target.logits(h)
+        return target.logits(h, self.lm_head)
 
     def lm_head_module(self, target: Transformer) -> nn.Module:
-        return target.output
+        return target.output if self.lm_head is None else self.lm_head
 
+
+class DSparkDraft(DFlashDraft):
+    """DSpark: DFlash's block (by default every row drafting, the root's too) and a Markov head that makes each
+    draft depend on the token before it: logits_k = base_k + markov_w2(markov_w1[prev_k]), base_k the block row's
+    own logits, prev_k the token drafted before it (the root for the first). markov_w1 is a rank-r embedding of
+    the target's vocabulary, markov_w2 a Linear r -> draft vocabulary. In a chain prev_k is the pick at k - 1;
+    in a tree each node's own token, so every branch is scored as the head would score it alone. The confidence
+    head, sigmoid(proj([h_k ; markov_w1[prev_k]])) (or [h_k] alone), estimates the chance draft k is accepted
+    given the drafts before it were; with confidence > 0, drafts below it (and all after them) go unverified."""
+
+    def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int, markov_rank: int,
+                 anchor_drafts: bool = True, draft_vocab_size: int = 0, confidence_head: bool = True,
+                 confidence_with_markov: bool = True):
+        super().__init__(args, n_features, block_size, mask_token_id, anchor_drafts, draft_vocab_size)
+        self.markov_head = nn.ModuleDict({
+            "markov_w1": nn.Embedding(args.vocab_size, markov_rank),
+            "markov_w2": nn.Linear(markov_rank, draft_vocab_size or args.vocab_size, bias=False)})
+        features = args.dim + (markov_rank if confidence_with_markov else 0)
+        self.confidence_head = nn.ModuleDict({"proj": nn.Linear(features, 1)}) if confidence_head else None
+        self.confidence_with_markov = confidence_with_markov
+        self.confidence = 0.0  # the threshold (generate.py --confidence); 0: verify every draft
+
+    def next_logits(self, row_logits: Tensor, prev: Tensor) -> Tensor:
+        """row_logits [..., 1, vocab] plus the Markov bias of each prev [..., m] -> [..., m, vocab]."""
+        return row_logits + self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+
+    def cut(self, row_state: Tensor, prev: Tensor):
+        """The drafts after each prev [..., m] whose confidence is below the threshold (bool [..., m]); None when
+        the threshold is 0."""
+        if not self.confidence:
+            return None
+        h = row_state.expand(*prev.shape, row_state.shape[-1])
+        features = torch.cat([h, self.markov_head.markov_w1(prev)], dim=-1) if self.confidence_with_markov else h
+        return torch.sigmoid(self.confidence_head.proj(features).float())[..., 0] < self.confidence
+
+
+def head_name(head: DraftHead) -> str:
+    return type(head).__name__.removesuffix("Draft")
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:

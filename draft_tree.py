@@ -9,12 +9,12 @@ Every tree kind has the same interface, all the cycle, the cache and the tools a
     check(head)         refuse (EagletError) a head this tree cannot be drafted from
     expand(target, head, root, ctx_len, h_last) -> DraftTree
 A new kind is one class with these and a flag in generate.model_flags. The kinds here: TreeConfig, EAGLE-2's
-dynamic tree (from a block drafter, the tree of its block's marginals), and StaticTree, a fixed node list
+dynamic tree (from a block drafter, grown over its block's lattice), and StaticTree, a fixed node list
 (Medusa's and EAGLE-1's trees).
 
 Heads give building blocks, not trees: an EAGLE head step() (one draft pass over tokens paired with features)
-and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash: block_size set)
-block_topk(), the k best tokens of each block position from ONE pass.
+and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash, DSpark: block_size
+set) block_states(), its block's draft rows from ONE pass, and next_logits(), a row's logits after a given token.
 
 Imports attention.py and model.py; draft.py and decode.py import this file. (Not named tree.py: torch.compile
 skips a module of that name, taking it for the dm-tree package, and the cycle would not compile.)
@@ -37,7 +37,8 @@ class DraftTree:
     parents: Tensor  # [N] tree index of the parent; the root points to itself
     depths: Tensor  # [N] 0 for the root
     ancestors: Tensor  # [N, N] bool: ancestors[i, j] = j is i or an ancestor of i
-    draft_logp: Tensor  # [N] the draft's log-probability of each node given its parent (0 for the root)
+    draft_logp: Tensor  # [N] the draft's log-probability of each node given its parent (0 for the root); -inf: a
+    # node the head's confidence cut, which holds its place in the fixed shape but is never accepted
 
 
 def take(x: Tensor, index: Tensor) -> Tensor:
@@ -56,16 +57,17 @@ def check_topk(head, topk: int):
 
 
 def check_block(head, depth: int):
-    if is_block_drafter(head) and depth + 2 > head.block_size:
-        raise EagletError(f"a tree of depth {depth} needs a block of {depth + 2} tokens; this DFlash head was "
-                          f"trained on blocks of {head.block_size} (depth at most {head.block_size - 2})")
+    if is_block_drafter(head) and depth + 1 > head.max_levels:
+        raise EagletError(f"a tree of depth {depth} needs a block of {depth + 1 + head.first_row} tokens; this "
+                          f"{type(head).__name__.removesuffix('Draft')} head was trained on blocks of "
+                          f"{head.block_size} (depth at most {head.max_levels - 1})")
 
 
 @dataclass
 class TreeConfig:
     """EAGLE-2's dynamic tree: the topk best nodes of each level grow topk children each, depth levels deep, and
     the total_tokens - 1 best of every candidate by path probability are verified. From a block drafter, the
-    same growth over its block's per-position top-k (one pass); --tree_topk 1 is a chain."""
+    same growth over its block's lattice (one pass); --tree_topk 1 is a chain."""
     depth: int = 6  # expansion steps: the tree has depth + 1 levels below the root
     topk: int = 10  # children per expanded node, and nodes kept per level
     total_tokens: int = 60  # tokens the target verifies per cycle, root included
@@ -104,8 +106,8 @@ class TreeConfig:
     def expand(self, target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> DraftTree:
         if is_block_drafter(head):
             check_block(head, self.depth)
-            logp, ids = head.block_topk(target, root, ctx_len, self.depth + 2, self.topk)
-            return block_tree(logp, ids, root, self.total_tokens)
+            children = lattice(target, head, root, ctx_len, self.depth + 1, self.topk)
+            return grow_lattice(children, root, self.depth + 1, self.topk, self.total_tokens)
         return build_tree(partial(head.step, target), partial(head.topk, target), h_last, root, ctx_len,
                           self.topk, self.depth, self.total_tokens, target.max_seq_length)
 
@@ -153,20 +155,48 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
 
 def block_tree(logp: Tensor, ids: Tensor, root: Tensor, total_tokens: int) -> DraftTree:
     """A tree from a block's per-position top-k (logp, ids [..., levels, k]): every node at level i has the same
-    k children, position i + 1's candidates, scored by the product of their marginals. As in build_tree, the k
-    best paths of each level grow, then the total_tokens - 1 best nodes are kept; top-k 1 gives the chain."""
-    levels, k = logp.shape[-2:]
-    scores, frontier = logp[..., 0, :], torch.arange(k, device=ids.device).expand_as(ids[..., 0, :])
-    pool_tokens, pool_scores, pool_logp, pool_parents = [ids[..., 0, :]], [scores], [scores], [torch.full_like(frontier, -1)]
+    k children, position i + 1's candidates, scored by the product of their marginals."""
+    def children(i, prev):
+        shape = (*prev.shape, logp.shape[-1])
+        return logp[..., i, None, :].expand(shape), ids[..., i, None, :].expand(shape)
+    return grow_lattice(children, root, *logp.shape[-2:], total_tokens)
+
+
+def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, levels: int, k: int):
+    """A block drafter's children function from ONE pass of its block: children(i, prev [..., m]) -> the k best
+    drafts at level i after each prev token (log-probabilities and target ids [..., m, k]). Level i's logits are
+    block row i's, once through the lm_head, then head.next_logits(row, prev): DFlash's the same after every prev,
+    DSpark's with the Markov bias of prev (the node's own token: each branch scored exactly). Drafts the head's
+    confidence cuts get log-probability -inf: never verified as drafts (accept() skips them)."""
+    states = head.block_states(target, root, ctx_len, levels)
+    rows = head.logits(target, states)  # [..., levels, vocab]: the lm_head read once
+
+    def children(i, prev):
+        logp, ids = head.topk_of_logits(head.next_logits(rows[..., i, None, :], prev), k)
+        cut = head.cut(states[..., i, None, :], prev)
+        if cut is not None:
+            logp = logp.masked_fill(cut[..., None], float("-inf"))
+        shape = (*prev.shape, k)
+        return logp.expand(shape), ids.expand(shape)
+    return children
+
+
+def grow_lattice(children, root: Tensor, levels: int, k: int, total_tokens: int) -> DraftTree:
+    """EAGLE-2's growth over a block drafter's levels: the k best paths of each level grow k children each
+    (children(i, tokens [..., m]) -> logp, ids [..., m, k]), then the total_tokens - 1 best nodes by path score
+    are kept; k = 1 gives the chain (a Markov head's walk: each draft after the pick before it)."""
+    scores, tokens = (t.flatten(-2) for t in children(0, root[..., None]))
+    frontier = torch.arange(k, device=root.device).expand_as(tokens)
+    pool_tokens, pool_scores, pool_logp, pool_parents = [tokens], [scores], [scores], [torch.full_like(frontier, -1)]
     for i in range(1, levels):
-        child_logp = logp[..., i, None, :].expand(*scores.shape, k).flatten(-2)  # [..., k parents x k children]
+        child_logp, child_ids = (t.flatten(-2) for t in children(i, tokens))  # [..., k parents x k children]
         child_scores = scores.repeat_interleave(k, dim=-1) + child_logp
-        pool_tokens.append(ids[..., i, None, :].expand(*scores.shape, k).flatten(-2))
+        pool_tokens.append(child_ids)
         pool_scores.append(child_scores)
         pool_logp.append(child_logp)
         pool_parents.append(frontier.repeat_interleave(k, dim=-1))
         scores, best = child_scores.topk(k)
-        frontier = k + (i - 1) * k * k + best
+        tokens, frontier = child_ids.gather(-1, best), k + (i - 1) * k * k + best
     return layout_tree(choose_nodes(torch.cat(pool_scores, dim=-1), total_tokens), torch.cat(pool_tokens, dim=-1),
                        torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, levels)
 
@@ -300,12 +330,14 @@ class StaticTree:
         batch = root.shape
         tokens = root[..., None].repeat(*([1] * root.ndim), self.total_tokens)
         logp = torch.zeros(*batch, self.total_tokens, device=root.device)
-        if is_block_drafter(head):  # one pass: a node's drafts are its level's block position's, whatever its parent
+        if is_block_drafter(head):  # one pass: a node's drafts are its level's block row's, after its parent
             check_block(head, self.depth - 1)
-            block_logp, block_ids = head.block_topk(target, root, ctx_len, self.depth + 1, self.topk)
+            children = lattice(target, head, root, ctx_len, self.depth, self.topk)
             for d, level in enumerate(t["levels"]):
-                tokens[..., level["tree"]] = block_ids[..., d, level["rank"]]
-                logp[..., level["tree"]] = block_logp[..., d, level["rank"]]
+                child_logp, child_ids = children(d, tokens[..., t["parents"][level["tree"]]])  # [..., nodes, k]
+                rank = level["rank"].expand(*batch, -1)[..., None]
+                tokens[..., level["tree"]] = child_ids.gather(-1, rank)[..., 0]
+                logp[..., level["tree"]] = child_logp.gather(-1, rank)[..., 0]
         else:
             child_logp, child_ids = head.topk(target, h_last[..., None, :], self.topk)  # [..., 1, k]: the root's
             features = h_last[..., None, :]

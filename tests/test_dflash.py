@@ -107,29 +107,31 @@ def reference_draft_logits(w: dict, config: dict, hf_target, committed: list, ro
 # ---- a head that agrees at times: its drafts, at random block positions, replaced by the target's own -------
 
 def agreeing(draft: DFlashDraft, truth: list, seed: int = 0, p: float = 0.6):
-    """Record each block pass (root, ctx_len, draft logits) and, at random positions, put the target's true next
+    """Record each block pass (root, ctx_len, draft logits) and, at random levels, put the target's true next
     token (truth: the plain greedy sequence, prompt included) first among the drafts, so that cycles accept
-    0..depth + 1 tokens. Eager only (it reads ctx_len on the host)."""
-    seen, g = [], torch.Generator().manual_seed(seed)
-    block_logits, topk = draft.block_logits, draft.topk
+    0..depth + 1 tokens. Eager only (it reads ctx_len on the host); the tree asks for its levels in order."""
+    seen, g, level = [], torch.Generator().manual_seed(seed), [0]
+    block_states, topk_of_logits = draft.block_states, draft.topk_of_logits
 
-    def recording(target, root, ctx_len, n):
-        h = block_logits(target, root, ctx_len, n)
+    def recording(target, root, ctx_len, levels):
+        h = block_states(target, root, ctx_len, levels)
         seen.append((int(root), int(ctx_len), target.output(h)))
+        level[0] = 0
         return h
 
-    def injected(target, h, k):
-        logp, ids = topk(target, h, k)
-        ctx = seen[-1][1]
-        for j in range(ids.shape[0]):
-            want = truth[ctx + 1 + j] if ctx + 1 + j < len(truth) else None
-            if want is None or torch.rand(1, generator=g).item() > p:
-                continue
-            row = ids[j].tolist()
-            where = row.index(want) if want in row else k - 1  # siblings stay distinct: swap, or replace the last
-            ids[j, where], ids[j, 0] = ids[j, 0].clone(), want
+    def injected(logits, k):
+        logp, ids = topk_of_logits(logits, k)
+        ctx, j = seen[-1][1], level[0]
+        level[0] += 1
+        want = truth[ctx + 1 + j] if ctx + 1 + j < len(truth) else None
+        if want is None or torch.rand(1, generator=g).item() > p:
+            return logp, ids
+        for row in ids.view(-1, k):
+            found = row.tolist()
+            where = found.index(want) if want in found else k - 1  # siblings stay distinct: swap, or replace the last
+            row[where], row[0] = row[0].clone(), want
         return logp, ids
-    draft.block_logits, draft.topk = recording, injected
+    draft.block_states, draft.topk_of_logits = recording, injected
     return seen
 
 
@@ -350,5 +352,5 @@ def test_greedy_equals_plain_on_an_int8_target_and_running_ahead(target8, tmp_pa
             agreeing(draft, prompt + plain.tokens, seed=len(prompt))
             spec = generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10),
                                      run_ahead=ahead)
-            draft.block_logits, draft.topk = DFlashDraft.block_logits.__get__(draft), DFlashDraft.topk.__get__(draft)
+            del draft.block_states, draft.topk_of_logits  # the class's own again
             assert spec.tokens == plain.tokens and max(spec.accept_lengths) >= 2

@@ -33,7 +33,7 @@ def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5)):
 @pytest.mark.parametrize("block_size", [4, 7])
 def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
     """dflash_blocks over a whole sequence, anchors anywhere (also 0 and the last position), gives for each anchor a
-    what block_logits gives at decode time after catch_up wrote the context of positions 0..a-1."""
+    what block_states gives at decode time after catch_up wrote the context of positions 0..a-1."""
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     head, cfg = fresh_head(target, block_size)
@@ -51,7 +51,7 @@ def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
             for j, a in enumerate(anchors[row].tolist()):
                 if a:
                     catch_up(target, head, tokens[row, 1:a + 1], features[row, :a], torch.tensor(0), torch.tensor(a - 1))
-                decoded = head.block_logits(target, tokens[row, a], torch.tensor(a), block_size)
+                decoded = head.block_states(target, tokens[row, a], torch.tensor(a), block_size - 1)
                 torch.testing.assert_close(trained[row, j], decoded, atol=1e-5, rtol=1e-5)
 
 
