@@ -75,7 +75,7 @@ from torch import Tensor  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
 from head_formats import (eagle3_flags, feature_layer_ids, head_args, head_config, head_kind,  # noqa: E402
-                          is_dflash_config, is_eagle3_config)
+                          is_dflash_config, is_eagle3_config, probe)
 from checkpoint import QUANT_KEY, EagletError, load_state_dict, read_config  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from quantize import GROUPSIZES, output_path, pack_int4, quantization_record, quantize_group, spill  # noqa: E402
@@ -278,19 +278,40 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
 
 
 def convert_dflash_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
-    """A DFlash head: fc, hidden_norm, norm and its Qwen3 layers (keys with or without a leading "model.")."""
+    """A DFlash or DSpark head: fc, hidden_norm, norm and its Qwen3 layers (keys with or without a leading "model."),
+    a DSpark head's Markov and confidence heads, and a speculators head's own lm_head and d2t over a smaller draft
+    vocabulary. Copies of the target's embedding and lm_head (DeepSpec's files carry both) are not kept: each
+    becomes a probe (head_formats.probe) that loading checks against the target's own."""
     for k in [k for k in weights if k.startswith("model.")]:
         weights[k[len("model."):]] = dict.pop(weights, k)  # moved, not read
-    n_layer = head_args(config).n_layer
+    args = head_args(config)
     try:
         out = {name: weights.pop(name) for name in ("fc.weight", "hidden_norm.weight", "norm.weight")}
-        for i in range(n_layer):
+        for i in range(args.n_layer):
             out.update(convert_layer(weights, f"layers.{i}.", f"layers.{i}."))
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
+    out.update({k: weights.pop(k) for k in [k for k in weights if k.startswith(("markov_head.", "confidence_head."))]})
+    if config.get("draft_vocab_size", args.vocab_size) < args.vocab_size:  # speculators' own draft vocabulary
+        missing = [k for k in ("lm_head.weight", "d2t") if k not in weights]
+        if missing:
+            raise EagletError(f"{checkpoint_dir}: a draft vocabulary of {config['draft_vocab_size']} tokens and no "
+                              f"{missing[0]}")
+        out.update({k: weights.pop(k) for k in ("lm_head.weight", "d2t")})
+        t2d = weights.pop("t2d", None)
+        if t2d is not None and (t2d.shape != (args.vocab_size,) or not bool(t2d.bool()[
+                torch.arange(len(out["d2t"])) + out["d2t"].long()].all()) or int(t2d.bool().sum()) != len(out["d2t"])):
+            raise EagletError(f"{checkpoint_dir}: t2d and d2t disagree about the draft vocabulary")
+    for name, key in (("embed", "embed_tokens.weight"), ("lm_head", "lm_head.weight")):
+        if key in weights:
+            copy = weights.pop(key)
+            if tuple(copy.shape) != (args.vocab_size, args.dim):
+                raise EagletError(f"{checkpoint_dir}: {key} {tuple(copy.shape)} does not match config.json")
+            out[f"target_check.{name}"] = probe(copy)
+    weights.pop("t2d", None), weights.pop("d2t", None)  # a full draft vocabulary's maps: the identity
     if weights:
         raise EagletError(f"{checkpoint_dir}: unexpected weights {', '.join(sorted(weights)[:5])} (config.json "
-                          f"says num_hidden_layers {n_layer})")
+                          f"says num_hidden_layers {args.n_layer})")
     return out
 
 

@@ -345,14 +345,16 @@ class DSparkDraft(DFlashDraft):
         """row_logits [..., 1, vocab] plus the Markov bias of each prev [..., m] -> [..., m, vocab]."""
         return row_logits + self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
 
+    def confidence_of(self, row_state: Tensor, prev: Tensor) -> Tensor:
+        """The chance the row's draft after each prev [..., m] is accepted, given the drafts before it were."""
+        h = row_state.expand(*prev.shape, row_state.shape[-1])
+        features = torch.cat([h, self.markov_head.markov_w1(prev)], dim=-1) if self.confidence_with_markov else h
+        return torch.sigmoid(self.confidence_head.proj(features).float())[..., 0]
+
     def cut(self, row_state: Tensor, prev: Tensor):
         """The drafts after each prev [..., m] whose confidence is below the threshold (bool [..., m]); None when
         the threshold is 0."""
-        if not self.confidence:
-            return None
-        h = row_state.expand(*prev.shape, row_state.shape[-1])
-        features = torch.cat([h, self.markov_head.markov_w1(prev)], dim=-1) if self.confidence_with_markov else h
-        return torch.sigmoid(self.confidence_head.proj(features).float())[..., 0] < self.confidence
+        return self.confidence_of(row_state, prev) < self.confidence if self.confidence else None
 
 
 def head_name(head: DraftHead) -> str:

@@ -211,7 +211,7 @@ from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settin
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
 from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
-from head_formats import head_config, load_head, read_draft_vocab  # noqa: E402
+from head_formats import check_target_copies, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -258,6 +258,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
     checkpoint_path = converted_file(checkpoint_path, "draft.pth")
     weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
     draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
+    check_target_copies(draft, target)
     target.set_feature_layers(draft.feature_layers)
     beside = Path(checkpoint_path).parent / "draft_vocab.json"
     if draft_vocab is None and isinstance(draft, EagleDraft) and beside.is_file():

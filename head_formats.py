@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import EagletError, load_state_dict, mismatch_detail, read_config
-from draft import DFlashDraft, DraftHead, Eagle3Draft, Eagle3Flags, EagleDraft
+from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, Eagle3Flags, EagleDraft
 from model import ModelArgs
 from quantize import pack_quantized, pop_quantization, use_quantized_linears
 
@@ -67,54 +67,157 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
     if args.vocab_size != target.vocab_size:
         raise EagletError(f"EAGLE-3 head {where} is for a vocabulary of {args.vocab_size}, the target has "
                           f"{target.vocab_size}")
-    d2t = state_dict.pop("d2t").long()
     draft_vocab = state_dict["lm_head.weight"].shape[0]
-    if d2t.shape != (draft_vocab,):
-        raise EagletError(f"{where}: d2t has {tuple(d2t.shape)} entries but lm_head has {draft_vocab} rows")
-    draft_to_target = torch.arange(draft_vocab) + d2t
-    if draft_to_target.min() < 0 or draft_to_target.max() >= target.vocab_size or \
-            draft_to_target.unique().numel() != draft_vocab:
-        raise EagletError(f"{where}: d2t maps the draft vocabulary outside the target's {target.vocab_size} "
-                          "tokens, or maps two draft tokens to one")
+    ids = draft_to_target(state_dict.pop("d2t"), draft_vocab, target.vocab_size, where)
     with torch.device("meta"):
         model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where))
     assign_weights(model, state_dict, where)
-    model.draft_to_target = draft_to_target
+    model.draft_to_target = ids
     model.feature_layers = eagle3_feature_layers(config, target.n_layer, where)
     return model
 
 
 def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, target: ModelArgs,
                            where: str) -> DFlashDraft:
-    """A DFlash head from its config.json (Qwen3 keys, block_size, num_target_layers, dflash_config) and weights,
-    refused by name before any weight moves if it does not fit the target."""
-    dflash = config.get("dflash_config") or {}
-    if not isinstance(dflash, dict):
-        raise EagletError(f"{where}: dflash_config must be a JSON object, got {dflash!r}")
-    differ = [f"{name} {mine} vs {theirs}" for name, mine, theirs in
-              [("hidden size", args.dim, target.dim), ("vocabulary", args.vocab_size, target.vocab_size),
-               ("target layers", config.get("num_target_layers", target.n_layer), target.n_layer)] if mine != theirs]
-    if differ:
-        raise EagletError(f"DFlash head {where} does not match the target (head vs target): {', '.join(differ)}")
-    block_size, mask_id = dflash.get("block_size", config.get("block_size")), dflash.get("mask_token_id")
-    if type(block_size) is not int or block_size < 2:
-        raise EagletError(f"{where}: block_size must be a whole number of at least 2, got {block_size!r}")
-    if type(mask_id) is not int or not 0 <= mask_id < target.vocab_size:
-        raise EagletError(f"{where}: dflash_config.mask_token_id must be a token id below the target's vocabulary "
-                          f"({target.vocab_size}), got {mask_id!r}")
-    ids = dflash.get("target_layer_ids") or dflash_layer_ids(target.n_layer, args.n_layer)
-    if not isinstance(ids, list) or not all(type(k) is int and 0 <= k <= target.n_layer - 2 for k in ids):
-        raise EagletError(f"{where}: target_layer_ids {ids!r} must name layers 0..{target.n_layer - 2} of the "
-                          f"{target.n_layer}-layer target (its last layer's output, after the final norm in "
-                          "transformers' numbering, is not a feature eaglet taps)")
+    """A DFlash or DSpark head in any layout block_settings reads, refused by name before any weight moves if it
+    does not fit the target."""
+    b = block_settings(config, args, target, where)
     if "sliding_attention" in (config.get("layer_types") or []) and config.get("use_sliding_window", True):
         args.sliding_window = config.get("sliding_window")
     args.qk_norm = True  # DFlash layers are Qwen3's, whatever model_type says
+    checks = {k.removeprefix("target_check."): state_dict.pop(k) for k in [k for k in state_dict
+                                                                           if k.startswith("target_check.")]}
+    d2t = state_dict.pop("d2t", None)
     with torch.device("meta"):
-        model = DFlashDraft(args, len(ids), block_size, mask_id)
+        common = dict(anchor_drafts=b["anchor_drafts"], draft_vocab_size=b["draft_vocab_size"])
+        model = DSparkDraft(args, len(b["feature_layers"]), b["block_size"], b["mask_token_id"], b["markov_rank"],
+                            confidence_head=b["confidence_head"], confidence_with_markov=b["confidence_with_markov"],
+                            **common) if b["dspark"] else \
+            DFlashDraft(args, len(b["feature_layers"]), b["block_size"], b["mask_token_id"], **common)
     assign_weights(model, state_dict, where)
-    model.feature_layers = tuple(k + 1 for k in ids)  # layer k's output is the input of layer k + 1
+    if b["draft_vocab_size"]:
+        if d2t is None:
+            raise EagletError(f"{where}: a draft vocabulary of {b['draft_vocab_size']} tokens and no d2t")
+        model.draft_to_target = draft_to_target(d2t, b["draft_vocab_size"], target.vocab_size, where)
+    model.feature_layers = b["feature_layers"]
+    model.target_check = checks  # the head's copies of the target's embedding and lm_head, as probes
     return model
+
+
+def block_settings(config: dict, args: ModelArgs, target: ModelArgs, where: str) -> dict:
+    """A block drafter's settings from its layout, each told by its own markers, never guessed: speculators'
+    (speculators_model_type dflash or dspark; head_config has put transformer_layer_config at the top), DeepSpec's
+    DSpark (architectures Qwen3DSparkModel, its settings at the top level) or z-lab's DFlash (dflash_config).
+    feature_layers are layer INPUTS as eaglet taps them: z-lab's and DeepSpec's target_layer_ids name layer
+    outputs (hidden_states[id + 1]), speculators' aux_hidden_state_layer_ids layer inputs."""
+    kind, architectures = config.get("speculators_model_type"), [str(a) for a in config.get("architectures") or []]
+    top = config
+    if kind is not None:
+        if kind not in ("dflash", "dspark"):
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, dflash "
+                              "and dspark heads")
+        if type(config.get("sample_from_anchor")) is not bool:
+            raise EagletError(f"{where}: a speculators {kind} head without sample_from_anchor (true or false): whether "
+                              "the anchor's row drafts too, which engines have read both ways (a head read the wrong "
+                              "way drafts nothing right); set it to what the head was trained with")
+        anchor, ids, dspark = config["sample_from_anchor"], config.get("aux_hidden_state_layer_ids"), kind == "dspark"
+        lowest, name = 0, "aux_hidden_state_layer_ids"
+    elif architectures == ["Qwen3DSparkModel"]:
+        anchor, ids, dspark, lowest, name = True, config.get("target_layer_ids"), True, -1, "target_layer_ids"
+    elif architectures in ([], ["DFlashDraftModel"]) and "dflash_config" in config:
+        top = config.get("dflash_config") or {}
+        if not isinstance(top, dict):
+            raise EagletError(f"{where}: dflash_config must be a JSON object, got {top!r}")
+        anchor, dspark, lowest, name = False, False, -1, "target_layer_ids"
+        ids = top.get("target_layer_ids") or dflash_layer_ids(target.n_layer, args.n_layer)
+    else:
+        raise EagletError(f"{where}: architectures {architectures}; eaglet runs DFlashDraftModel (z-lab), "
+                          "Qwen3DSparkModel (DeepSpec) and speculators' dflash and dspark heads")
+    differ = [f"{what} {mine} vs {theirs}" for what, mine, theirs in
+              [("hidden size", config.get("target_hidden_size") or args.dim, target.dim), ("hidden size", args.dim, target.dim),
+               ("vocabulary", args.vocab_size, target.vocab_size),
+               ("target layers", config.get("num_target_layers", target.n_layer), target.n_layer)] if mine != theirs]
+    if differ:
+        raise EagletError(f"{'DSpark' if dspark else 'DFlash'} head {where} does not match the target (head vs "
+                          f"target): {', '.join(dict.fromkeys(differ))}")
+    block_size, mask_id = top.get("block_size", config.get("block_size")), top.get("mask_token_id")
+    if type(block_size) is not int or block_size < 2:
+        raise EagletError(f"{where}: block_size must be a whole number of at least 2, got {block_size!r}")
+    if type(mask_id) is not int or not 0 <= mask_id < target.vocab_size:
+        raise EagletError(f"{where}: mask_token_id must be a token id below the target's vocabulary "
+                          f"({target.vocab_size}), got {mask_id!r}")
+    last = target.n_layer if lowest == 0 else target.n_layer - 2
+    if not isinstance(ids, list) or not ids or not all(type(k) is int and lowest <= k <= last for k in ids):
+        raise EagletError(f"{where}: {name} {ids!r} must name layers {lowest}..{last} of the {target.n_layer}-layer "
+                          "target" + ("" if lowest == 0 else " (its last layer's output, after the final norm in "
+                                      "transformers' numbering, is not a feature eaglet taps)"))
+    draft_vocab = config.get("draft_vocab_size", target.vocab_size) if kind is not None else target.vocab_size
+    if type(draft_vocab) is not int or not 1 <= draft_vocab <= target.vocab_size:
+        raise EagletError(f"{where}: draft_vocab_size must be a whole number from 1 to the target's vocabulary "
+                          f"({target.vocab_size}), got {draft_vocab!r}")
+    settings = {"dspark": dspark, "anchor_drafts": anchor, "block_size": block_size, "mask_token_id": mask_id,
+                "feature_layers": tuple(k if lowest == 0 else k + 1 for k in ids),
+                "draft_vocab_size": draft_vocab if draft_vocab < target.vocab_size else 0}
+    return settings | (markov_settings(config, where) if dspark else {})
+
+
+def markov_settings(config: dict, where: str) -> dict:
+    head_type, rank = config.get("markov_head_type", "vanilla"), config.get("markov_rank", 256)
+    if head_type != "vanilla":
+        raise EagletError(f"{where}: markov_head_type {head_type!r}; eaglet runs DSpark's vanilla Markov head "
+                          "(the published heads' own)")
+    if type(rank) is not int or rank < 1:
+        raise EagletError(f"{where}: markov_rank must be a whole number of at least 1, got {rank!r} (a DSpark head "
+                          "without its Markov head is a DFlash head)")
+    flags = {name: config.get(name, True) for name in ("enable_confidence_head", "confidence_head_with_markov")}
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise EagletError(f"{where}: {name} must be true or false, got {value!r}")
+    return {"markov_rank": rank, "confidence_head": flags["enable_confidence_head"],
+            "confidence_with_markov": flags["confidence_head_with_markov"]}
+
+
+def draft_to_target(d2t: Tensor, draft_vocab: int, vocab_size: int, where: str) -> Tensor:
+    """EAGLE-3's and speculators' d2t (offsets: target id = draft id + d2t[draft id]) as target ids, checked."""
+    d2t = d2t.long()
+    if d2t.shape != (draft_vocab,):
+        raise EagletError(f"{where}: d2t has {tuple(d2t.shape)} entries but lm_head has {draft_vocab} rows")
+    ids = torch.arange(draft_vocab) + d2t
+    if ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != draft_vocab:
+        raise EagletError(f"{where}: d2t maps the draft vocabulary outside the target's {vocab_size} "
+                          "tokens, or maps two draft tokens to one")
+    return ids
+
+
+def probe_vectors(dim: int) -> Tensor:
+    return torch.randn(dim, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def probe(weight: Tensor) -> Tensor:
+    """A [vocab, dim] table times a fixed random [dim, 4]: what the converter keeps of a head's copy of the
+    target's embedding or lm_head, and what check_target_copies compares with the target's own."""
+    return (weight.double() @ probe_vectors(weight.shape[1]).to(weight.device)).float()
+
+
+def check_target_copies(head: DraftHead, target) -> None:
+    """A head that shipped copies of its target's embedding and lm_head (DeepSpec's DSpark files) runs only on that
+    target: each copy's probe must match the target's (correlation 0.99 and up in every column: equal tables, up to
+    a quantized target's rounding), else the head is refused by name."""
+    checks = getattr(head, "target_check", None) or {}
+    weight = target.tok_embeddings.weight
+    vectors = probe_vectors(target.args.dim)
+    theirs = {"embed": lambda: probe(weight),  # the lm_head in any format: its logits of the probe vectors
+              "lm_head": lambda: target.logits(vectors.T.to(weight.device, weight.dtype)).T.float()}
+    for name, mine in checks.items():
+        other = theirs[name]().double().cpu()
+        mine = mine.double().cpu()
+        if mine.shape != other.shape:
+            raise EagletError(f"the head's copy of the target's {name} has {mine.shape[0]} rows, the target "
+                              f"{other.shape[0]}")
+        corr = torch.nn.functional.cosine_similarity(mine - mine.mean(0), other - other.mean(0), dim=0)
+        if not bool((corr >= 0.99).all()):
+            raise EagletError(f"the head's copy of the target's {name} is not this target's (probe correlation "
+                              f"{float(corr.min()):.3f}): the head was trained for another model")
 
 
 def dflash_layer_ids(n_target_layers: int, n_draft_layers: int) -> list:
@@ -184,13 +287,15 @@ def head_config(config: dict, where: str) -> dict:
     (speculators' place for them, where vLLM reads them) name layer INPUTS, as vLLM takes the hidden state
     entering layer k: here they become eagle_config.eagle_aux_hidden_state_layer_ids k - 1 (layer outputs)."""
     kind = config.get("speculators_model_type")
+    if kind in ("dflash", "dspark"):
+        return block_layer_config(config, where)
     if kind is None and "eagle_aux_hidden_state_layer_ids" not in config:
         return config
     flat = dict(config)
     if kind is not None:
         if kind != "eagle3":
-            raise EagletError(f"{where}: speculators_model_type {kind!r} is not an EAGLE-3 head; eaglet reads "
-                              "speculators' eagle3 heads")
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, dflash "
+                              "and dspark heads")
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")
@@ -216,6 +321,28 @@ def head_config(config: dict, where: str) -> dict:
     return flat
 
 
+# Qwen3Config's defaults, which speculators reads for any key its transformer_layer_config leaves out (it writes
+# the differences from them only).
+QWEN3_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
+                  "rope_theta": 10000.0, "max_position_embeddings": 32768, "attention_bias": False}
+
+
+def block_layer_config(config: dict, where: str) -> dict:
+    """A speculators dflash or dspark config flat: its Qwen3 layers' settings (transformer_layer_config, Qwen3's
+    defaults where it is silent) at the top, beside speculators' own keys."""
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")
+    if layer.get("model_type", "qwen3") != "qwen3":
+        raise EagletError(f"{where}: transformer_layer_config model_type {layer.get('model_type')!r}: eaglet runs "
+                          "speculators' DFlash and DSpark layers of model_type qwen3")
+    defaults = QWEN3_DEFAULTS if "rope_parameters" not in layer else \
+        {k: v for k, v in QWEN3_DEFAULTS.items() if k != "rope_theta"}
+    flat = {k: v for k, v in config.items() if k != "transformer_layer_config"}
+    return flat | defaults | layer | {"model_type": "qwen3"}
+
+
 def head_args(config: dict) -> ModelArgs:
     args = ModelArgs.from_hf_config({"model_type": "llama", **config})
     args.qkv_bias = bool(config.get("qkv_bias", args.qkv_bias))
@@ -227,10 +354,7 @@ def head_kind(config: dict, keys, where: str) -> str:
     config says so); or an error.
     config: flat (head_config)."""
     if is_dflash_config(config):
-        architectures = [str(a) for a in config.get("architectures") or []]
-        if architectures and architectures != ["DFlashDraftModel"]:
-            raise EagletError(f"{where}: architectures {architectures}; eaglet runs DFlashDraftModel heads")
-        return "dflash"
+        return "dflash"  # DFlash or DSpark, in one of the layouts block_settings reads
     nested = sorted(k for k in keys if k.startswith("model."))
     if nested and is_eagle3_config(config):
         raise EagletError(f"{where}: an EAGLE-3 head with its weights under model. ({nested[0]}, ...), a layout "
@@ -253,7 +377,9 @@ def is_eagle3_config(config: dict) -> bool:
 
 
 def is_dflash_config(config: dict) -> bool:
-    return "dflash_config" in config or any("DFlash" in str(a) for a in config.get("architectures") or [])
+    """Whether a (flat) config.json is a block drafter's: DFlash or DSpark, in any layout."""
+    return "dflash_config" in config or config.get("speculators_model_type") in ("dflash", "dspark") or \
+        any("DFlash" in str(a) or "DSpark" in str(a) for a in config.get("architectures") or [])
 
 
 def read_draft_vocab(path, vocab_size: int) -> Tensor:

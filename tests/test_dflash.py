@@ -77,18 +77,25 @@ def rotate(x, pos, base=10000.0):
 
 
 def reference_draft_logits(w: dict, config: dict, hf_target, committed: list, root: int, block: int):
-    """The draft logits of block positions 1..block-1 after the tokens committed, by the method's description:
-    context = hidden_norm(fc(the target's hidden states after the listed layers)); the block [root, mask...]
-    embedded by the target; per layer q from the normed block, k and v from [context ; normed block], attention
-    over all of it with no mask; the final norm, the target's lm_head."""
+    """The draft logits of block positions 1..block-1 after the tokens committed (DFlash's rows)."""
     ids, mask_id = config["dflash_config"]["target_layer_ids"], config["dflash_config"]["mask_token_id"]
+    rows = reference_block(w, ids, mask_id, config["num_hidden_layers"], hf_target, committed, root, block)
+    return hf_target.lm_head(rows[1:])
+
+
+def reference_block(w: dict, ids: list, mask_id: int, n_layers: int, hf_target, committed: list, root: int,
+                    block: int, heads=HEADS, kv=KV_HEADS, d=HEAD_DIM):
+    """The final-normed outputs of every block row after the tokens committed, by the method's description:
+    context = hidden_norm(fc(the target's hidden states after the listed layers)); the block [root, mask...]
+    embedded by the target at positions len(committed)..; per layer q from the normed block, k and v from
+    [context ; normed block], attention over all of it with no mask; the final norm."""
     with torch.no_grad():
         states = hf_target(torch.tensor([committed]), output_hidden_states=True).hidden_states
         context = rms(torch.cat([states[i + 1][0] for i in ids], -1) @ w["fc.weight"].T, w["hidden_norm.weight"])
         x = hf_target.model.embed_tokens(torch.tensor([root] + [mask_id] * (block - 1)))
-        n_ctx, heads, kv, d = len(committed), config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        n_ctx = len(committed)
         pos = torch.arange(n_ctx + block)
-        for i in range(config["num_hidden_layers"]):
+        for i in range(n_layers):
             p = f"layers.{i}."
             h = rms(x, w[p + "input_layernorm.weight"])
             both = torch.cat([context, h])
@@ -101,7 +108,7 @@ def reference_draft_logits(w: dict, config: dict, hf_target, committed: list, ro
             h = rms(x, w[p + "post_attention_layernorm.weight"])
             gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
             x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-        return hf_target.lm_head(rms(x, w["norm.weight"])[1:])
+        return rms(x, w["norm.weight"])
 
 
 # ---- a head that agrees at times: its drafts, at random block positions, replaced by the target's own -------
@@ -280,7 +287,7 @@ def test_sampling_with_a_dflash_head_matches_the_target_distribution(tmp_path):
     ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [1, 5]}}, "mask_token_id must be a token id"),
     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 7]}}, "target_layer_ids .* must name layers 0..6"),
     ({"block_size": 1}, "block_size must be"),
-    ({"architectures": ["DFlash2DraftModel"]}, "eaglet runs DFlashDraftModel heads")])
+    ({"architectures": ["DFlash2DraftModel"]}, "eaglet runs DFlashDraftModel \\(z-lab\\)")])
 def test_a_head_that_does_not_fit_is_refused_by_name(target8, tmp_path, change, match):
     target_dir, _ = target8
     folder, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
