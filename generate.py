@@ -57,17 +57,18 @@ def model_flags(p):
                    help="model.pth written by convert_hf_checkpoint.py (or quantize.py), or its folder "
                         "(default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="draft.pth of an EAGLE-1/2 or EAGLE-3 head, or its folder: switches to speculative decoding")
+                   help="draft.pth of an EAGLE-1/2, EAGLE-3, DFlash or DSpark head, or its folder: switches to "
+                        "speculative decoding")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
     p.add_argument("--no_draft", action="store_true",
                    help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
     p.add_argument("--depth", type=int_flag(1), default=None,
-                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads; a DFlash head's block size - 2: "
-                        "its tree has depth + 1 levels, one per block position after the root)")
+                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads; a DFlash head's block size - 2, a "
+                        "DSpark head's block size - 1: its tree has depth + 1 levels, one per drafting block row)")
     p.add_argument("--tree_topk", type=int_flag(1), default=None,
-                   help="children per node and nodes kept per level (default: 10; 1 for DFlash heads, a chain)")
+                   help="children per node and nodes kept per level (default: 10; 1 for DFlash and DSpark heads, a chain)")
     p.add_argument("--total_tokens", type=total_tokens_flag, default=None,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up "
                         "(default: 60, or all the nodes of a smaller tree: a chain's depth + 2)")
@@ -83,6 +84,11 @@ def model_flags(p):
                    help="--tree static: its nodes as paths of child ranks from the root, as JSON, e.g. "
                         "'[[0], [1], [0, 0], [0, 1], [0, 0, 0]]' ([1]: the root's second-best draft; [0, 0]: the best "
                         "draft after [0]); default: a built-in tree of 26 nodes, 6 deep")
+    p.add_argument("--confidence", type=float_flag(0, 1), default=0.0,
+                   help="DSpark heads: drafts from the first whose confidence (the head's estimate that it is "
+                        "accepted, given the drafts before it were) is below this go unverified; 0 (default): "
+                        "verify every draft. The verify keeps its fixed size: this trades drafts for nothing at "
+                        "batch 1, and is there to match engines that cut")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
@@ -210,7 +216,7 @@ from draft_tree import STATIC_CHOICES, StaticTree  # noqa: E402
 from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
-from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import check_target_copies, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -251,7 +257,7 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
 
 
 def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None) -> DraftHead:
-    """An EAGLE-1/2, EAGLE-3 or DFlash head for this target, on its device and in its dtype, with a cache as long as
+    """An EAGLE-1/2, EAGLE-3, DFlash or DSpark head for this target, on its device and in its dtype, with a cache as long as
     the target's (if that has one yet). The target is set to return the features the head reads.
     draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
     beside the head, if there is one ("full": the whole vocabulary)."""
@@ -275,8 +281,9 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None)
 
 
 def why_no_draft_vocab(draft: DraftHead) -> str:
-    return "an EAGLE-3 head has its own draft vocabulary (d2t)" if isinstance(draft, Eagle3Draft) else \
-        "a DFlash head scores the target's whole vocabulary"
+    if isinstance(draft, Eagle3Draft) or getattr(draft, "lm_head", None) is not None:
+        return "this head has its own draft vocabulary (d2t)"
+    return f"a {head_name(draft)} head scores the target's whole vocabulary"
 
 
 def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,
@@ -315,6 +322,15 @@ def check_writable(path: Path, what: str):
         raise EagletError(f"{what} {path} cannot be written: {e.strerror}")
     if not existed:
         path.unlink()
+
+
+def set_confidence(draft: Optional[DraftHead], confidence: float):
+    """--confidence: the threshold a DSpark head's confidence head cuts its drafts at."""
+    if confidence and getattr(draft, "confidence_head", None) is None:
+        raise EagletError(f"--confidence is for DSpark heads with a confidence head; "
+                          f"{'no head is loaded' if draft is None else 'this head has none'}")
+    if confidence:
+        draft.confidence = confidence
 
 
 def configs(args, draft: Optional[DraftHead] = None):
@@ -378,6 +394,7 @@ def load(args, group=None):
     model = load_target(args.checkpoint_path, args.device, args.precision, group=group)
     draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
         if args.draft_checkpoint_path else None
+    set_confidence(draft, args.confidence)
     if draft is not None:
         sampling, tree = configs(args, draft)
     tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template, args.chat_template_kwargs)
