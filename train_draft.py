@@ -1,7 +1,7 @@
-"""Train an EAGLE-1/2, EAGLE-3 or DFlash draft head for a converted target; save it in the published format.
+"""Train an EAGLE-1/2, EAGLE-3, DFlash or DSpark draft head for a converted target; save it in the published format.
 
     python train_draft.py --checkpoint_path checkpoints/org/model/model.pth --data corpus/*.txt \\
-        --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3 | --head dflash]
+        --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3 | dflash | dspark]
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/org/model-eagle   # -> draft.pth
 
 Data: plain text files (every token counts), or FastChat question files (.jsonl with "turns"; only the
@@ -23,6 +23,10 @@ DFlash (--head dflash): --draft_layers Qwen3 layers read the target's hidden sta
 once, each a random anchor token followed by --block_size - 1 masks that see only the context before the
 anchor and their own block, and predict the target's own next tokens, block position k weighted
 exp(-(k - 1) / gamma).
+DSpark (--head dspark): DFlash's backbone with every block row drafting (the anchor's too: block_size drafts) and
+a rank --markov_rank Markov head: row j's logits plus W2(W1[the token before it]), taught with the target's own
+tokens before each row; and a confidence head learning whether each draft (the Markov-corrected argmax) is the
+target's. Saved in DeepSpec's layout (Qwen3DSparkModel).
 """
 # (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
 # tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
@@ -61,11 +65,14 @@ class TrainConfig:
     anchors: int = 32  # DFlash: blocks trained per sequence, each after a random anchor
     gamma: float = 0.0  # DFlash: block position k's loss weighs exp(-(k - 1) / gamma); 0: 7, or block_size / 2 below 16
     mask_token_id: int = -1  # DFlash: the token the masks are embedded as; -1: the last of the target's vocabulary
+    markov_rank: int = 256  # DSpark: the Markov head's rank
+    confidence_weight: float = 1.0  # DSpark: the confidence head's loss weight
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 1, "warmup": 0, "seed": 0,
                     "weight_decay": 0, "noise": 0, "ce_weight": 0, "unroll_steps": 1, "draft_vocab_size": 0,
-                    "block_size": 2, "draft_layers": 1, "anchors": 1, "gamma": 0, "mask_token_id": -1}
+                    "block_size": 2, "draft_layers": 1, "anchors": 1, "gamma": 0, "mask_token_id": -1, "markov_rank": 1,
+                    "confidence_weight": 0}
         bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
         bad += [f"{k} must be above 0" for k in ("lr", "grad_clip", "step_decay")
                 if not 0 < getattr(self, k) < math.inf]
@@ -83,8 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--head", choices=["eagle", "eagle3", "dflash"], default="eagle",
-                   help="EAGLE-1/2, EAGLE-3 or DFlash head")
+    p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark"], default="eagle",
+                   help="EAGLE-1/2, EAGLE-3, DFlash or DSpark head")
     p.add_argument("--feature_layers", type=int_flag(1), nargs="+", default=None,
                    help="EAGLE-3 (three) and DFlash (any number): the target layers whose input the head reads "
                         "(EAGLE-3 default: 2, L//2, L-3; L: the last layer's output; DFlash default: one per draft "
@@ -108,7 +115,9 @@ def parse_args(argv=None):
              "gamma": "DFlash: block position k's loss weighs exp(-(k - 1) / gamma); 0: 7 for blocks of 16 or "
                       "more, else block_size / 2 (the paper's 7, 5, 4 for 16, 10, 8)",
              "mask_token_id": "DFlash: the token whose embedding fills the block after the root; -1: the last id "
-                              "of the target's vocabulary (use a real model's reserved mask token if it has one)"}
+                              "of the target's vocabulary (use a real model's reserved mask token if it has one)",
+             "markov_rank": "DSpark: the rank of the Markov head (W1: vocabulary x rank, W2: rank x vocabulary)",
+             "confidence_weight": "DSpark: the confidence head's loss weight (binary cross-entropy)"}
     for name, value in asdict(TrainConfig()).items():
         flag = int_flag(0) if isinstance(value, int) else float_flag(0)
         p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
@@ -123,7 +132,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from draft import DFlashDraft, DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
+from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, converted_file, mismatch_detail, read_config  # noqa: E402
@@ -595,6 +604,15 @@ def dflash_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> d
                               "target_layer_ids": [k - 1 for k in feature_layers]}}
 
 
+def dspark_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> dict:
+    """A DSpark head's config.json as DeepSpec writes it: the same Qwen3 keys, DSpark's settings at the top."""
+    config = dflash_config(args, cfg, feature_layers)
+    dflash = config.pop("dflash_config")
+    return config | {"architectures": ["Qwen3DSparkModel"], **dflash, "markov_rank": cfg.markov_rank,
+                     "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
+                     "num_anchors": cfg.anchors, "tie_word_embeddings": False}
+
+
 def dflash_mask_id(cfg: TrainConfig, args: ModelArgs) -> int:
     return cfg.mask_token_id if cfg.mask_token_id >= 0 else args.vocab_size - 1
 
@@ -609,16 +627,22 @@ def dflash_feature_layers(cfg: TrainConfig, n_layer: int, feature_layers=None) -
 
 
 def new_dflash_head(target: Transformer, cfg: TrainConfig, config: dict) -> DFlashDraft:
+    """A fresh DFlash head, or a DSpark one (config: dspark_config's), its Markov bias starting at zero."""
     device = target.output.weight.device
     torch.manual_seed(cfg.seed)
     args = replace(head_args(config), qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
-    ids = config["dflash_config"]["target_layer_ids"]
-    head = DFlashDraft(args, len(ids), cfg.block_size, config["dflash_config"]["mask_token_id"]).to(device)
+    settings = config.get("dflash_config", config)
+    ids, mask_id = settings["target_layer_ids"], settings["mask_token_id"]
+    head = DSparkDraft(args, len(ids), cfg.block_size, mask_id, cfg.markov_rank) if "markov_rank" in config else \
+        DFlashDraft(args, len(ids), cfg.block_size, mask_id)
     for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
+    if isinstance(head, DSparkDraft):  # the bias starts at zero; W1 as an embedding, so that W2 learns from the start
+        torch.nn.init.normal_(head.markov_head.markov_w1.weight)
+        torch.nn.init.zeros_(head.markov_head.markov_w2.weight)
     head.feature_layers = tuple(k + 1 for k in ids)
-    return head
+    return head.to(device)
 
 
 def dflash_anchors(mask: torch.Tensor, n: int):
@@ -631,7 +655,7 @@ def dflash_anchors(mask: torch.Tensor, n: int):
 
 
 def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anchors) -> torch.Tensor:
-    """Every anchor's block at once, as decoding drafts it: [B, A, block_size - 1, dim] outputs of positions 1...
+    """Every anchor's block at once, as decoding drafts it: [B, A, levels, dim] outputs of the drafting rows.
     Block (anchor a) queries see the context strictly before a and their own block only, never another block."""
     bsz, seq = tokens.shape
     n_anchors, size, device = anchors.shape[1], head.block_size, tokens.device
@@ -654,15 +678,15 @@ def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anch
                                            enable_gqa=attention.n_kv != attention.n_head)
         x = x + attention.wo(y.transpose(1, 2).reshape(bsz, pos.shape[1], -1))
         x = x + layer.feed_forward(layer.ffn_norm(x))
-    return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, 1:]
+    return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, head.first_row:]
 
 
-def dflash_labels(picks, mask, anchors, real, size: int):
-    """For block position k = 1..size-1 of each anchor a: the target's pick for position a + k (picks[t]: its next
-    token after t, so picks[a + k - 1]) [B, A, size - 1], and whether it counts (inside the sequence, a real
-    anchor, a position the loss counts)."""
+def dflash_labels(picks, mask, anchors, real, levels: int):
+    """For draft j = 0..levels-1 of each anchor a: the target's pick for position a + j + 1 (picks[t]: its next
+    token after t, so picks[a + j]) [B, A, levels], and whether it counts (inside the sequence, a real anchor, a
+    position the loss counts)."""
     seq = picks.shape[1]
-    where = anchors[..., None] + torch.arange(size - 1, device=picks.device)  # the pick block position k + 1 predicts
+    where = anchors[..., None] + torch.arange(levels, device=picks.device)  # the pick draft j predicts
     inside = (where + 1 < seq) & real[..., None]
     where = where.clamp(max=seq - 2)
     want = picks.gather(1, where.flatten(1)).view_as(where)
@@ -670,23 +694,34 @@ def dflash_labels(picks, mask, anchors, real, size: int):
 
 
 def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: TrainConfig):
-    """Cross-entropy of each block position k = 1..size-1 against the target's own pick for position a + k (its
-    argmax after a + k - 1), weighted exp(-(k - 1) / gamma): the early positions decide how much of a block is
-    accepted. Returns it and the top-1 agreement at each block position."""
-    seq, size = tokens.shape[1], head.block_size
+    """Cross-entropy of each draft j = 0.. (DFlash: block position j + 1; DSpark: row j) against the target's own
+    pick for position a + j + 1, weighted exp(-j / gamma): the early drafts decide how much of a block is accepted.
+    A DSpark head's logits carry the Markov bias of the token before each draft (the anchor, then the target's own
+    picks: what an accepted prefix holds), and its confidence head learns, by binary cross-entropy with the same
+    weights, whether each draft is the target's pick. Returns the loss and the top-1 agreement at each draft."""
+    seq, levels = tokens.shape[1], head.max_levels
     pos = torch.arange(seq, device=tokens.device)
     with torch.no_grad():
         logits, features = target(tokens, pos, None, causal(seq, tokens.device))
         picks = logits.argmax(-1)  # picks[t]: the target's next token after position t
     anchors, real = dflash_anchors(mask, cfg.anchors)
     h = dflash_blocks(head, target, tokens, features, anchors)
-    want, counts = dflash_labels(picks, mask, anchors, real, size)
-    gamma = cfg.gamma or (7.0 if size >= 16 else size / 2)
-    weight = torch.exp(-torch.arange(size - 1, device=tokens.device) / gamma) * counts
-    head_logits = target.logits(h).float()
+    want, counts = dflash_labels(picks, mask, anchors, real, levels)
+    gamma = cfg.gamma or (7.0 if cfg.block_size >= 16 else cfg.block_size / 2)
+    weight = torch.exp(-torch.arange(levels, device=tokens.device) / gamma) * counts
+    head_logits = head.logits(target, h).float()
+    if isinstance(head, DSparkDraft):
+        prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]
+        head_logits = head.next_logits(head_logits, prev).float()
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
-    agree = ((head_logits.argmax(-1) == want) & counts).float().sum((0, 1))
-    return (ce * weight).sum() / weight.sum().clamp(min=1e-6), agree / counts.float().sum((0, 1)).clamp(min=1)
+    hit = head_logits.argmax(-1) == want
+    loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    if isinstance(head, DSparkDraft):
+        confidence = head.confidence_head.proj(torch.cat([h, head.markov_head.markov_w1(prev)], -1))[..., 0].float()
+        bce = F.binary_cross_entropy_with_logits(confidence, hit.float(), reduction="none")
+        loss = loss + cfg.confidence_weight * (bce * weight).sum() / weight.sum().clamp(min=1e-6)
+    agree = (hit & counts).float().sum((0, 1))
+    return loss, agree / counts.float().sum((0, 1)).clamp(min=1)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -697,13 +732,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_head(kind: str, target: Transformer, examples: list, cfg: TrainConfig, feature_layers=None):
-    """A fresh head of this kind ("eagle", "eagle3" or "dflash") for the target, the loss it trains with, its
-    config.json."""
+    """A fresh head of this kind ("eagle", "eagle3", "dflash" or "dspark") for the target, the loss it trains with,
+    its config.json."""
     if kind == "eagle":
         config = {**llama_head_config(target.args), "bias": True}
         return new_head(target.args, target.output.weight.device, cfg.seed), head_loss, config
-    if kind == "dflash":
-        config = dflash_config(target.args, cfg, dflash_feature_layers(cfg, target.args.n_layer, feature_layers))
+    if kind in ("dflash", "dspark"):
+        layers = dflash_feature_layers(cfg, target.args.n_layer, feature_layers)
+        config = (dspark_config if kind == "dspark" else dflash_config)(target.args, cfg, layers)
         return new_dflash_head(target, cfg, config), dflash_loss, config
     size = draft_vocab_size(cfg, target.args.vocab_size)
     config = eagle3_config(target.args, size, feature_layers)
@@ -747,13 +783,13 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
             torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
             recent.append((loss.detach(), top1.detach()))
-            progress.update(step + 1, lambda: recent_means(recent, "block positions" if kind == "dflash" else
+            progress.update(step + 1, lambda: recent_means(recent, "drafts" if kind in ("dflash", "dspark") else
                                                            "unrolled steps"))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                             "config": asdict(cfg), "target": target_shape(target), "kind": head_settings(head)},
                            state_path)
-    save_head(head, config, out_dir)
+    save_head(head, config, out_dir, target)
     return head
 
 
@@ -780,8 +816,9 @@ def head_settings(head: DraftHead) -> dict:
     if isinstance(head, EagleDraft):
         return {"head": "eagle"}
     if isinstance(head, DFlashDraft):
-        return {"head": "dflash", "feature_layers": list(head.feature_layers), "block_size": head.block_size,
-                "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer}
+        return {"head": head_name(head).lower(), "feature_layers": list(head.feature_layers),
+                "block_size": head.block_size, "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer,
+                **({"markov_rank": head.markov_head.markov_w1.weight.shape[1]} if isinstance(head, DSparkDraft) else {})}
     return {"head": "eagle3", "feature_layers": list(head.feature_layers),
             "draft_vocab": head.draft_to_target.tolist()}
 
@@ -852,8 +889,8 @@ def llama_head_config(args: ModelArgs) -> dict:
             "attention_bias": args.o_bias, "qkv_bias": args.qkv_bias, "mlp_bias": args.mlp_bias}
 
 
-def save_head(head: DraftHead, config: dict, out_dir: Path):
-    """config.json + model.safetensors under the published EAGLE-1/2 or EAGLE-3 key names."""
+def save_head(head: DraftHead, config: dict, out_dir: Path, target: Optional[Transformer] = None):
+    """config.json + model.safetensors under the published key names of the head's kind."""
     args, sd = head.args, {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
     if isinstance(head, EagleDraft):
         weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"], **export_layer(sd, "layer.", "layers.0.", args)}
@@ -861,6 +898,10 @@ def save_head(head: DraftHead, config: dict, out_dir: Path):
         weights = {k: sd[k] for k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
         for i in range(args.n_layer):
             weights.update(export_layer(sd, f"layers.{i}.", f"layers.{i}.", args))
+        if isinstance(head, DSparkDraft):  # DeepSpec's files carry frozen copies of the target's tables too
+            weights.update({k: v for k, v in sd.items() if k.startswith(("markov_head.", "confidence_head."))})
+            weights.update({"embed_tokens.weight": target.tok_embeddings.weight.detach().float().cpu(),
+                            "lm_head.weight": lm_head_table(target)})
     else:
         draft_ids = head.draft_to_target.cpu()
         t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
@@ -875,6 +916,14 @@ def save_head(head: DraftHead, config: dict, out_dir: Path):
     os.umask(umask)
     os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600: others could not read it
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@torch.no_grad()
+def lm_head_table(target: Transformer) -> torch.Tensor:
+    """The target's lm_head as a float [vocab, dim] table, whatever its format: its logits of the unit vectors."""
+    eye = torch.eye(target.args.dim, device=target.tok_embeddings.weight.device,
+                    dtype=target.tok_embeddings.weight.dtype)
+    return torch.cat([target.logits(rows) for rows in eye.split(512)]).T.float().cpu().contiguous()
 
 
 def main(argv=None):
@@ -924,15 +973,19 @@ def main(argv=None):
 def check_head_flags(args, cfg: TrainConfig, target: Transformer):
     """The EAGLE-3 settings against the target, before any long work (self-distillation)."""
     dflash = [f"--{k}" for k, v in asdict(cfg).items() if k in DFLASH_FLAGS and v != getattr(TrainConfig, k)]
-    if dflash and args.head != "dflash":
-        raise EagletError(f"{dflash[0]} is for DFlash heads (--head dflash)")
+    if dflash and args.head not in ("dflash", "dspark"):
+        raise EagletError(f"{dflash[0]} is for DFlash and DSpark heads (--head dflash, --head dspark)")
+    dspark = [f"--{k}" for k, v in asdict(cfg).items() if k in DSPARK_FLAGS and v != getattr(TrainConfig, k)]
+    if dspark and args.head != "dspark":
+        raise EagletError(f"{dspark[0]} is for DSpark heads (--head dspark)")
     if args.head == "eagle":
         if args.feature_layers or cfg.draft_vocab_size:
             raise EagletError("--feature_layers and --draft_vocab_size are for EAGLE-3 heads (--head eagle3)")
         return
-    if args.head == "dflash":
+    if args.head in ("dflash", "dspark"):
         if cfg.draft_vocab_size:
-            raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a DFlash head scores the whole vocabulary")
+            raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a DFlash or DSpark head scores the whole "
+                              "vocabulary")
         dflash_feature_layers(cfg, target.args.n_layer, args.feature_layers)
         mask_id = dflash_mask_id(cfg, target.args)
         if mask_id >= target.args.vocab_size:
@@ -947,6 +1000,7 @@ def check_head_flags(args, cfg: TrainConfig, target: Transformer):
 
 
 DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "gamma", "mask_token_id")
+DSPARK_FLAGS = ("markov_rank", "confidence_weight")
 
 
 def check_lengths(target: Transformer, cfg: TrainConfig, max_new_tokens: int):

@@ -1,4 +1,4 @@
-"""train_draft.py --head dflash: the training forward is the decode-time block pass (each anchor's block sees
+"""train_draft.py --head dflash and --head dspark: the training forward is the decode-time block pass (each anchor's block sees
 only the context before its anchor), training raises agreement, the CLI writes the published layout, resumes,
 and the head it makes decodes losslessly; its mistakes are refused."""
 import json
@@ -17,9 +17,9 @@ from generate import load_draft, load_target
 from test_train_eagle3 import corpus
 
 
-def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5)):
-    cfg = train_draft.TrainConfig(block_size=block_size, draft_layers=draft_layers, seed=3)
-    head, loss_fn, config = train_draft.make_head("dflash", target, [], cfg, feature_layers)
+def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5), kind="dflash"):
+    cfg = train_draft.TrainConfig(block_size=block_size, draft_layers=draft_layers, seed=3, markov_rank=8)
+    head, loss_fn, config = train_draft.make_head(kind, target, [], cfg, feature_layers)
     with torch.no_grad():  # norms away from one, so that a norm applied in the wrong place shows
         for name, p in head.named_parameters():
             if p.dim() == 1:
@@ -30,13 +30,13 @@ def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5)):
     return head, cfg
 
 
-@pytest.mark.parametrize("block_size", [4, 7])
-def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
+@pytest.mark.parametrize("block_size, kind", [(4, "dflash"), (7, "dflash"), (4, "dspark")])
+def test_training_forward_is_the_decode_time_block(checkpoints, block_size, kind):
     """dflash_blocks over a whole sequence, anchors anywhere (also 0 and the last position), gives for each anchor a
     what block_states gives at decode time after catch_up wrote the context of positions 0..a-1."""
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
-    head, cfg = fresh_head(target, block_size)
+    head, cfg = fresh_head(target, block_size, kind=kind)
     tokens = torch.randint(4, 96, (2, 21), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[0, 5, 12, 20], [3, 9, 1, 17]])
     seq = tokens.shape[1]
@@ -51,7 +51,7 @@ def test_training_forward_is_the_decode_time_block(checkpoints, block_size):
             for j, a in enumerate(anchors[row].tolist()):
                 if a:
                     catch_up(target, head, tokens[row, 1:a + 1], features[row, :a], torch.tensor(0), torch.tensor(a - 1))
-                decoded = head.block_states(target, tokens[row, a], torch.tensor(a), block_size - 1)
+                decoded = head.block_states(target, tokens[row, a], torch.tensor(a), head.max_levels)
                 torch.testing.assert_close(trained[row, j], decoded, atol=1e-5, rtol=1e-5)
 
 
@@ -59,7 +59,7 @@ def test_block_position_k_learns_the_target_s_pick_for_anchor_plus_k():
     picks = torch.arange(20)[None] * 10  # picks[t]: the target's next token after t, here 10 t
     mask = torch.ones(1, 20)
     mask[0, 8] = 0  # a position the loss does not count
-    want, counts = train_draft.dflash_labels(picks, mask, torch.tensor([[0, 5, 17]]), torch.tensor([[True, True, False]]), 4)
+    want, counts = train_draft.dflash_labels(picks, mask, torch.tensor([[0, 5, 17]]), torch.tensor([[True, True, False]]), 3)
     assert want[0].tolist() == [[0, 10, 20], [50, 60, 70], [170, 180, 180]]  # the last clamped: past the end
     assert counts[0].tolist() == [[True, True, True], [True, True, False], [False, False, False]]
 
@@ -98,7 +98,7 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
     train_draft.main(argv + ["--steps", "4"])
     train_draft.main(argv + ["--steps", "12"])
     printed = capsys.readouterr().out
-    assert "resuming at step 4" in printed and "top-1 agreement at block positions 1-4 " in printed
+    assert "resuming at step 4" in printed and "top-1 agreement at drafts 1-4 " in printed
     weights, config = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
             "layers.1.mlp.down_proj.weight"} <= set(weights) and not any(k.startswith("model.") for k in weights)
@@ -124,5 +124,61 @@ def test_errors(checkpoints, tmp_path):
     expect_error(dflash + ["--mask_token_id", "96"], "--mask_token_id 96 is not below the target's vocabulary (96)",
                  main=train_draft.main)
     expect_error(dflash + ["--block_size", "1"], "block_size must be at least 2", main=train_draft.main)
-    expect_error(dflash + ["--draft_vocab_size", "32"], "a DFlash head scores the whole vocabulary", main=train_draft.main)
-    expect_error(base + ["--block_size", "8"], "--block_size is for DFlash heads (--head dflash)", main=train_draft.main)
+    expect_error(dflash + ["--draft_vocab_size", "32"], "a DFlash or DSpark head scores the whole", main=train_draft.main)
+    expect_error(base + ["--block_size", "8"], "--block_size is for DFlash and DSpark heads", main=train_draft.main)
+    expect_error(dflash + ["--markov_rank", "8"], "--markov_rank is for DSpark heads (--head dspark)",
+                 main=train_draft.main)
+    expect_error(base + ["--head", "dspark", "--markov_rank", "0"], "markov_rank must be at least 1",
+                 main=train_draft.main)
+
+
+def test_dspark_training_raises_agreement_and_its_markov_loss_sees_the_token_before(checkpoints, tmp_path):
+    """A DSpark head's loss: row j's logits plus the Markov bias of the token before draft j (the anchor, then the
+    target's own picks); training lowers it and raises the top-1 agreement at every row, the anchor's included."""
+    target_dir, _ = checkpoints("llama8")
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    tokenizer = generate.Tokenizer(target_dir)
+    text = tokenizer.encode(corpus(tmp_path / "corpus.txt", n_words=3000).read_text(), bos=False)
+    examples = [(text[i:i + 48], [1] * 48) for i in range(0, len(text) - 48, 48)]
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    cfg = train_draft.TrainConfig(steps=60, batch_size=8, seq_len=48, lr=3e-3, warmup=5, block_size=4, draft_layers=1,
+                                  anchors=8, markov_rank=16)
+    untrained, _, _ = train_draft.make_head("dspark", target, examples, cfg)
+    untrained.setup_rope(64)
+    trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind="dspark", log=lambda *_: None)
+    tokens, mask = next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    with torch.no_grad():
+        torch.manual_seed(0)
+        before, agree_before = train_draft.dflash_loss(untrained, target, tokens, mask, cfg)
+        torch.manual_seed(0)
+        after, agree_after = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
+        assert len(agree_after) == 4  # every row drafts: block_size drafts
+        torch.manual_seed(0)
+        trained.markov_head.markov_w2.weight.zero_()
+        blind, agree_blind = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
+    print(f"loss {before:.3f} -> {after:.3f} (without the Markov bias {blind:.3f}); top-1 {agree_before.tolist()} -> "
+          f"{agree_after.tolist()}")
+    assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
+    assert blind > after + 0.01  # the Markov head carries some of what it learned
+
+
+@pytest.mark.slow
+def test_cli_trains_a_dspark_head_in_deepspec_s_layout_that_decodes_losslessly(checkpoints, tmp_path, capsys):
+    target_dir, hf = checkpoints("llama8")
+    text, out = corpus(tmp_path / "corpus.txt"), tmp_path / "dspark"
+    train_draft.main(["--checkpoint_path", str(target_dir / "model.pth"), "--data", str(text), "--out_dir", str(out),
+                      "--head", "dspark", "--draft_layers", "1", "--block_size", "4", "--markov_rank", "8",
+                      "--mask_token_id", "3", "--device", "cpu", "--batch_size", "4", "--seq_len", "32",
+                      "--anchors", "6", "--steps", "6", "--lr", "3e-3"])
+    assert "top-1 agreement at drafts 1-4 " in capsys.readouterr().out
+    weights, config = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 4
+    assert config["markov_rank"] == 8 and config["mask_token_id"] == 3 and "dflash_config" not in config
+    assert weights["markov_head.markov_w1.weight"].shape == (96, 8) and weights["confidence_head.proj.weight"].shape == (1, 72)
+    assert torch.equal(weights["lm_head.weight"], hf.lm_head.weight.detach())  # the frozen copies, as published
+    assert torch.equal(weights["embed_tokens.weight"], hf.model.embed_tokens.weight.detach())
+    convert(out)
+    plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
+    assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+    assert "tree 5 tokens, depth 3, top-k 1" in capsys.readouterr().out  # the chain of its block: 4 drafts
