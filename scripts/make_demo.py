@@ -1,11 +1,12 @@
 """Build the demo from nothing but this machine: a sentencepiece tokenizer, a small LLaMA-architecture
-code model, its EAGLE-1/2 head, its EAGLE-3 head and its DFlash head, all trained by eaglet's own code on the running
+code model, its EAGLE-1/2 head, its EAGLE-3 head, its DFlash head and its DSpark head, all trained by eaglet's own code on the running
 interpreter's standard-library sources (a few modules kept out for evaluation).
 
     python scripts/make_demo.py --out_dir my_demo     # writes my_demo/{target,head,head3}, my_demo/RECIPE.json
     python scripts/make_demo.py --out_dir demo --overwrite   # rebuilds the shipped demo itself
     python scripts/make_demo.py --out_dir demo --only_head3  # retrains only the EAGLE-3 head, for the target there
     python scripts/make_demo.py --out_dir demo --only_dflash # retrains only the DFlash head, for the target there
+    python scripts/make_demo.py --out_dir demo --only_dspark # retrains only the DSpark head, measures only it
 
 generate.py uses demo/ when no checkpoint is given.
 """
@@ -45,6 +46,9 @@ HEAD3_STEPS, HEAD3_SEQ_LEN = 1000, 128  # each step unrolled 7 times: about 6x a
 # 0-2), blocks of 8 (a 4-layer target's default ids would repeat layer 1).
 DFLASH = {"block_size": 8, "draft_layers": 2, "anchors": 32}
 DFLASH_FEATURE_LAYERS, DFLASH_STEPS = (1, 2, 3), 1000
+# The DSpark head: DFlash's recipe and budget, blocks of 7 whose every row drafts (7 drafts, as DFlash's 8), and a
+# Markov head of rank 64 (the published heads: 256 over a 152k vocabulary).
+DSPARK = {"block_size": 7, "draft_layers": 2, "anchors": 32, "markov_rank": 64}
 
 
 def stdlib_files(held_out: bool) -> list:
@@ -214,6 +218,27 @@ def train_dflash(args, target_dir: Path, dflash_dir: Path, files: list) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def train_dspark(args, target_dir: Path, dspark_dir: Path, files: list) -> dict:
+    """The DSpark head, with the DFlash head's data, layers, steps and learning rate; shipped like it."""
+    t0 = time.perf_counter()
+    examples = code_examples(files, Tokenizer(target_dir), args.seq_len)
+    cfg = TrainConfig(steps=args.dflash_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3, warmup=50,
+                      save_every=10 ** 9, **DSPARK)
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    shutil.rmtree(dspark_dir, ignore_errors=True)
+    train(target, examples, dspark_dir, cfg, resume=False, kind="dspark", feature_layers=DFLASH_FEATURE_LAYERS)
+    ship_bf16(dspark_dir)
+    return {"train": asdict(cfg), "feature_layers": DFLASH_FEATURE_LAYERS, "threads": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def measure_dspark(target_dir: Path, dspark_dir: Path) -> dict:
+    """The DSpark head's chain of its block (8 tokens verified, as the DFlash head's chain) and its tree at 60/6/10."""
+    chain = TreeConfig(DSPARK["block_size"] - 1, 1, DSPARK["block_size"] + 1)
+    return {"dspark_chain": measure_tau(target_dir, dspark_dir, tree=chain),
+            "dspark_tree": measure_tau(target_dir, dspark_dir, tree=replace(chain, topk=10, total_tokens=60))}
+
+
 def ship_bf16(head_dir: Path):
     """Convert a trained head, keep config.json + draft.pth in bf16 only: demo/ stays small, and draft.pth is
     all generate.py reads."""
@@ -229,13 +254,17 @@ def ship_bf16(head_dir: Path):
 
 def main(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--out_dir", type=Path, required=True, help="where target/, head/, head3/, dflash/ and RECIPE.json go")
+    p.add_argument("--out_dir", type=Path, required=True,
+                   help="where target/, head/, head3/, dflash/, dspark/ and RECIPE.json go")
     p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
     p.add_argument("--only_head3", action="store_true",
                    help="train only the EAGLE-3 head for the target already in out_dir, and measure the heads")
     p.add_argument("--only_dflash", action="store_true",
                    help="train only the DFlash head for the target already in out_dir, and measure the heads")
-    p.add_argument("--dflash_steps", type=int_flag(1), default=DFLASH_STEPS, help="DFlash head training steps (as shipped)")
+    p.add_argument("--only_dspark", action="store_true",
+                   help="train only the DSpark head for the target already in out_dir, and measure only it")
+    p.add_argument("--dflash_steps", type=int_flag(1), default=DFLASH_STEPS,
+                   help="DFlash and DSpark head training steps (as shipped)")
     p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
     p.add_argument("--head_steps", type=int_flag(1), default=1000, help="EAGLE-1/2 head training steps (as shipped)")
     p.add_argument("--head3_steps", type=int_flag(1), default=HEAD3_STEPS, help="EAGLE-3 head training steps (as shipped)")
@@ -246,10 +275,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
-        dflash_dir = args.out_dir / "dflash"
+        dflash_dir, dspark_dir = args.out_dir / "dflash", args.out_dir / "dspark"
         recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
         files = stdlib_files(held_out=False)
-        only = "--only_head3" if args.only_head3 else "--only_dflash" if args.only_dflash else None
+        only = "--only_head3" if args.only_head3 else "--only_dflash" if args.only_dflash else \
+            "--only_dspark" if args.only_dspark else None
         if only:
             if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
                 p.error(f"{only} needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
@@ -261,12 +291,22 @@ def main(argv=None):
             recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
                       "python": platform.python_version()}
             build_target_and_head(args, target_dir, head_dir, files, recipe)
+        if args.only_dspark:
+            recipe["dspark"] = train_dspark(args, target_dir, dspark_dir, files)
+            print(f"dspark: {recipe['dspark']['seconds']} s; measuring tau on the held-out modules", flush=True)
+            recipe["held_out"] |= measure_dspark(target_dir, dspark_dir)
+            recipe_path.write_text(json.dumps(recipe, indent=2))
+            print(json.dumps({k: v for k, v in recipe["held_out"].items() if k.startswith(("dflash", "dspark"))}, indent=2))
+            return
         if not args.only_dflash:
             recipe["head3"] = train_head3(args, target_dir, head3_dir, files)
             print(f"head3: {recipe['head3']['seconds']} s")
         if not args.only_head3:
             recipe["dflash"] = train_dflash(args, target_dir, dflash_dir, files)
             print(f"dflash: {recipe['dflash']['seconds']} s")
+        if not only:
+            recipe["dspark"] = train_dspark(args, target_dir, dspark_dir, files)
+            print(f"dspark: {recipe['dspark']['seconds']} s")
 
         print("measuring tau on the held-out modules", flush=True)
         depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
@@ -277,6 +317,8 @@ def main(argv=None):
         if (dflash_dir / "draft.pth").is_file():
             recipe["held_out"] |= {"dflash_chain": measure_tau(target_dir, dflash_dir, tree=chain),
                                    "dflash_tree": measure_tau(target_dir, dflash_dir, tree=replace(chain, topk=10, total_tokens=60))}
+        if (dspark_dir / "draft.pth").is_file():
+            recipe["held_out"] |= measure_dspark(target_dir, dspark_dir)
         if not only:
             recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
         recipe_path.write_text(json.dumps(recipe, indent=2))
