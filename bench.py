@@ -69,11 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path,
                    help="a converted target (model.pth) (default: the demo in demo/ when --model is not given)")
     p.add_argument("--draft_checkpoint_path", type=Path,
-                   help="its draft.pth, EAGLE-1/2, EAGLE-3 or DFlash (default: demo/head/draft.pth for the demo, "
+                   help="its draft.pth, EAGLE-1/2, EAGLE-3, DFlash or DSpark (default: demo/head/draft.pth for the demo, "
                         "else a random head of --random_head's kind and the target's shape)")
-    p.add_argument("--random_head", choices=["eagle", "dflash"], default="eagle",
-                   help="the random head when no draft.pth is given: EAGLE-1/2, or DFlash as published (5 layers, "
-                        "blocks of 16, features of 5 layers); its tau means nothing, its cycle's cost does")
+    p.add_argument("--random_head", choices=["eagle", "dflash", "dspark"], default="eagle",
+                   help="the random head when no draft.pth is given: EAGLE-1/2, DFlash as published (5 layers, "
+                        "blocks of 16, features of 5 layers) or DSpark as published for Qwen3-8B (5 layers, blocks "
+                        "of 7 every row drafting, Markov rank 256); its tau means nothing, its cycle's cost does")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
@@ -84,9 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
     p.add_argument("--depth", type=int_flag(1), default=None,
                    help="draft tree expansion steps (default: the head's, as generate.py: 6; 7 for EAGLE-3 heads; "
-                        "a DFlash head's block size - 2)")
+                        "a DFlash head's block size - 2; a DSpark head's block size - 1)")
     p.add_argument("--tree_topk", type=int_flag(1), default=None,
-                   help="children per node and nodes kept per level (default: 10; 1 for DFlash heads, a chain)")
+                   help="children per node and nodes kept per level (default: 10; 1 for DFlash and DSpark heads, a chain)")
     p.add_argument("--total_tokens", type=int_flag(2), default=None,
                    help="tokens verified per cycle, root included (default: 60, or all the nodes of a smaller tree)")
     p.add_argument("--repeats", type=int_flag(1), default=20, help="timed calls per measurement")
@@ -138,7 +139,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
-from draft import DFlashDraft, DraftHead, EagleDraft  # noqa: E402
+from draft import DFlashDraft, DraftHead, DSparkDraft, EagleDraft, head_name as draft_kind  # noqa: E402
 from head_formats import dflash_layer_ids, read_draft_vocab  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
@@ -167,19 +168,24 @@ def random_module(module_cls, args, device, dtype, **kwargs):
     return module.eval()
 
 
-def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_size: int = 16) -> DFlashDraft:
+def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_size: int = 16,
+                  markov_rank: int = 0) -> DFlashDraft:
     """A random DFlash head as the published ones are shaped: 5 Qwen3 layers of the target's width, blocks of 16,
-    the features of 5 target layers spread as DFlash spreads them. The target is set to return them."""
+    the features of 5 target layers spread as DFlash spreads them; with markov_rank, a DSpark head (every block
+    row drafting, a Markov head of that rank, a confidence head). The target is set to return the features."""
     args = replace(target.args, n_layer=n_layers, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
     ids = dflash_layer_ids(target.args.n_layer, n_layers)
-    draft = random_module(DFlashDraft, args, device, dtype, n_features=len(ids), block_size=block_size,
-                          mask_token_id=target.args.vocab_size - 1)
+    kind, markov = (DSparkDraft, {"markov_rank": markov_rank}) if markov_rank else (DFlashDraft, {})
+    draft = random_module(kind, args, device, dtype, n_features=len(ids), block_size=block_size,
+                          mask_token_id=target.args.vocab_size - 1, **markov)
     draft.feature_layers = tuple(k + 1 for k in ids)
     target.set_feature_layers(draft.feature_layers)
     return draft
 
 
 def random_head(kind: str, target: Transformer, device, dtype) -> DraftHead:
+    if kind == "dspark":  # deepseek-ai/dspark_qwen3_8b_block7's shape
+        return random_dflash(target, device, dtype, block_size=7, markov_rank=256)
     return random_dflash(target, device, dtype) if kind == "dflash" else random_module(EagleDraft, target.args, device, dtype)
 
 
@@ -627,7 +633,7 @@ def speedup_base(rows: dict) -> str:
 
 def draft_passes_text(cycle: dict, tree: dict) -> str:
     passes = cycle.get("draft_passes", tree["depth"] + 1)
-    return "once (one DFlash block)" if passes == 1 else f"depth + 1 = {passes} times"
+    return "once (one block)" if passes == 1 else f"depth + 1 = {passes} times"
 
 
 def kernels_cell(table: dict) -> str:
@@ -778,7 +784,7 @@ def load_models(args, device: str, group=None, paths: tuple = ()):
 
 
 def head_name(args, draft) -> str:
-    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else "DFlash" if isinstance(draft, DFlashDraft) else "EAGLE-3"
+    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else draft_kind(draft) if isinstance(draft, DFlashDraft) else "EAGLE-3"
     return f"{args.draft_checkpoint_path} ({kind})" if args.draft_checkpoint_path else \
         f"random weights of the target's shape ({kind}, tau means nothing)"
 
@@ -786,11 +792,12 @@ def head_name(args, draft) -> str:
 def draft_vocab_used(args, target, draft) -> dict:
     """The target tokens the head may propose (tau and the bytes floor follow them), and where they come from."""
     n = target.args.vocab_size
-    if isinstance(draft, DFlashDraft):
-        return {"tokens": n, "of": n, "source": "full", "text": f"full vocabulary ({n}): a DFlash head scores them all"}
+    if isinstance(draft, DFlashDraft) and draft.draft_to_target is None:
+        return {"tokens": n, "of": n, "source": "full",
+                "text": f"full vocabulary ({n}): a {draft_kind(draft)} head scores them all"}
     if not isinstance(draft, EagleDraft):
         return {"tokens": draft.vocab_size, "of": n, "source": "d2t",
-                "text": f"the EAGLE-3 head's own d2t of {draft.vocab_size} (of the target's {n} tokens)"}
+                "text": f"the head's own d2t of {draft.vocab_size} (of the target's {n} tokens)"}
     if draft.draft_to_target is None:
         return {"tokens": n, "of": n, "source": "full", "text": f"full vocabulary ({n})"}
     source = args.draft_vocab or args.draft_checkpoint_path.parent / "draft_vocab.json"  # load_draft's default

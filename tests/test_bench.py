@@ -394,7 +394,7 @@ def test_eagle3_head_reports_its_own_d2t(tmp_path):
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
     args = SimpleNamespace(draft_vocab=None, draft_checkpoint_path=head / "draft.pth")
     vocab = bench.draft_vocab_used(args, model, load_draft(args.draft_checkpoint_path, model))
-    assert vocab["text"] == "the EAGLE-3 head's own d2t of 40 (of the target's 48 tokens)" and vocab["tokens"] == 40
+    assert vocab["text"] == "the head's own d2t of 40 (of the target's 48 tokens)" and vocab["tokens"] == 40
 
 
 def test_random_head_takes_a_draft_vocab_file(tmp_path):

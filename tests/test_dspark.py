@@ -335,3 +335,37 @@ def test_a_speculators_head_without_sample_from_anchor_is_refused(target8, tmp_p
     with pytest.raises(generate.EagletError, match="a speculators dspark head without sample_from_anchor"):
         load_draft(folder / "draft.pth", model)
 
+
+
+@pytest.mark.slow
+def test_bench_times_a_random_dspark_head_of_the_published_shape(tmp_path):
+    import bench
+    bench.main(["--model", "tiny", "--random_head", "dspark", "--device", "cpu", "--repeats", "1", "--side_tokens", "8",
+                "--max_seq_length", "512", "--out", str(tmp_path / "b")])
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert results["setup"]["tree"] == {"depth": 6, "topk": 1, "total_tokens": 8}  # the chain of its 7 drafts
+    assert results["cycle"]["draft_passes"] == 1 and "DSpark" in results["setup"]["head"]
+    assert results["side_by_side"]["eaglet EAGLE-2"]["same_tokens_as_plain"]
+
+
+def test_generate_s_confidence_flag(target8, tmp_path):
+    """--confidence reaches the head's cut and the output stays plain decoding's; a head without a confidence head,
+    or no head, is refused."""
+    from conftest import expect_error, run_cli
+    from test_dflash import head_for
+    target_dir, hf = target8
+    folder, _ = deepspec_head(tmp_path, hf)
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--prompt", "w1 w2", "--max_new_tokens", "12"]
+    plain = run_cli(tmp_path, base + ["--no_draft"])
+    cut = run_cli(tmp_path, base + ["--draft_checkpoint_path", str(folder / "draft.pth"), "--confidence", "0.4"])
+    assert cut["tokens"] == plain["tokens"]
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
+    draft = load_draft(folder / "draft.pth", model)
+    generate.set_confidence(draft, 0.4)
+    assert draft.confidence == 0.4 and draft.cut(torch.zeros(1, HIDDEN), torch.tensor([5])) is not None
+    dflash_dir, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
+    expect_error(base + ["--draft_checkpoint_path", str(dflash_dir / "draft.pth"), "--confidence", "0.4"],
+                 "--confidence is for DSpark heads with a confidence head; this head has none")
+    expect_error(base + ["--no_draft", "--confidence", "0.4"], "--confidence is for DSpark heads with a confidence "
+                                                               "head; no head is loaded")
+    expect_error(base + ["--confidence", "2"], "must be between 0 and 1")
