@@ -8,7 +8,8 @@ demo's, through each format's rounding), the weight bytes a token costs, and the
 the EAGLE-2 head, its draft vocabulary padded to 32000 on LLaMA-3-8B's shape) on the same target weights: its
 cycle phase by phase next to EAGLE-2's, and plain vs EAGLE-3 end to end with the demo head3's tau. --dflash adds
 a random DFlash head of the published shape (5 layers, blocks of 16): its cycle phase by phase, chain and tree;
-and the demo's DFlash head inflated: plain vs DFlash end to end with its tau.
+and the demo's DFlash head inflated: plain vs DFlash end to end with its tau. --dspark adds a random DSpark head
+of the published 8B shape beside a random DFlash head: both cycles phase by phase, chain and tree.
 
     python scripts/gpu_check.py --out gpu_results --quick     # a first, short call: environment and checks
     python scripts/gpu_check.py --out gpu_results             # everything, within --budget_s seconds
@@ -17,6 +18,7 @@ and the demo's DFlash head inflated: plain vs DFlash end to end with its tau.
     python scripts/gpu_check.py --out gt --quick --skip_checks --tp1
     python scripts/gpu_check.py --out g3 --skip_checks --shapes llama3-8b --formats bf16 --eagle3
     python scripts/gpu_check.py --out gd --skip_checks --shapes llama3-8b --formats bf16 --dflash
+    python scripts/gpu_check.py --out gs --skip_checks --shapes llama3-8b --formats bf16 --dspark
 
 --tp1 runs the demo compiled under torchrun at world size 1 (the NCCL path of tensor parallelism, its
 all-reduces inside the CUDA-graphed cycle) and in one process, and compares tokens, accepted lengths and
@@ -340,6 +342,25 @@ def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> di
     return out
 
 
+def measure_dspark(source: Transformer, fmt: str, plain_step_s: float, copy_bw: float, args) -> dict:
+    """A random DSpark head shaped as deepseek-ai/dspark_qwen3_8b_block7 (5 layers, blocks of 7 every row drafting,
+    Markov rank 256) beside a random DFlash head of the published shape, on the same target weights: each cycle
+    phase by phase at equal verify sizes, a chain of 8 (7 drafts) and a 32-token tree over 7 levels (the DSpark
+    tree walks its Markov lattice; the DFlash one grows from the rows alone). Random weights: tau means nothing,
+    the cost of the Markov walk and of each tree is what is measured."""
+    target = format_ready(source, fmt, args)
+    device, dtype = target.output.weight.device, target.tok_embeddings.weight.dtype
+    out = {}
+    for kind, draft in (("DSpark", bench.random_dflash(target, device, dtype, block_size=7, markov_rank=256)),
+                        ("DFlash", bench.random_dflash(target, device, dtype))):
+        draft.setup_caches(args.max_seq_length)
+        for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 32", TreeConfig(6, 4, 32))):
+            out[f"{kind} {name}"] = bench.bench_cycle(target, draft, tree, True, args.repeats, plain_step_s, copy_bw)
+        del draft
+        release_memory(device)
+    return out
+
+
 def format_row(result: dict, eagle3: dict) -> dict:
     """One format's line of the side-by-side table (or why it has none); eagle3: its EAGLE-3 section's."""
     if "plain" not in result:
@@ -394,6 +415,10 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
             release_memory(device)
             report.section(f"{name} {fmt} DFlash end to end (inflated demo)", measure_dflash_demo, source, fmt,
                            prompt, args)
+            release_memory(device)
+        if args.dspark and i == 0 and "plain" in result:
+            report.section(f"{name} {fmt} DSpark cycle beside DFlash's (random heads, published shapes)",
+                           measure_dspark, source, fmt, result["plain"]["step_ms"] / 1e3, copy_bw, args)
             release_memory(device)
     return rows
 
@@ -604,6 +629,10 @@ def parse_args(argv=None):
                    help="also a random DFlash head shaped as the published ones (5 layers, blocks of 16) on each "
                         "shape's first format: its cycle phase by phase, as a chain of 16 and a 32-token tree; and "
                         "the demo's DFlash head inflated, end to end against plain with its tau (chain 8, tree 16)")
+    p.add_argument("--dspark", action="store_true",
+                   help="also a random DSpark head shaped as the published 8B one (blocks of 7, Markov rank 256) and a "
+                        "random DFlash head on each shape's first format: their cycles phase by phase, chains of 8 "
+                        "and 32-token trees")
     p.add_argument("--exact", action="store_true",
                    help="first: the demo decoded every way a user can run it (plain, EAGLE-2/3, DFlash chain and tree, "
                         "compiled or eager, running ahead or not, several prompts, int4) against plain eager, token "
@@ -670,7 +699,7 @@ def main(argv=None):
                                "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
                                "flex_attention": attention.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
-                               "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash,
+                               "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash, "dspark": args.dspark,
                                "run_ahead": decode.RUN_AHEAD}
     report.section("environment", environment, device)
     if args.exact:
