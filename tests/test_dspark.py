@@ -369,3 +369,20 @@ def test_generate_s_confidence_flag(target8, tmp_path):
     expect_error(base + ["--no_draft", "--confidence", "0.4"], "--confidence is for DSpark heads with a confidence "
                                                                "head; no head is loaded")
     expect_error(base + ["--confidence", "2"], "must be between 0 and 1")
+
+
+def test_an_int8_dspark_head_decodes_losslessly(target8, tmp_path):
+    """quantize.py --mode int8 on a DSpark draft.pth: its Linears (the Markov head's W2, the confidence head's proj)
+    in int8, W1 (an embedding) as it is; decoding with it stays plain decoding's."""
+    import quantize
+    target_dir, hf = target8
+    folder, _ = deepspec_head(tmp_path, hf)
+    quantize.main(["--checkpoint_path", str(folder / "draft.pth"), "--mode", "int8"])
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(quantize.output_path(folder / "draft.pth", "int8", 128), model)
+    assert type(draft.markov_head.markov_w2).__name__ == "Int8Linear"
+    assert isinstance(draft.markov_head.markov_w1, torch.nn.Embedding)
+    prompt = [1, 17, 40, 8, 33, 71, 5]
+    for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):
+        assert generate.generate(model, prompt, 20, SamplingConfig(), draft=draft, tree=tree).tokens == \
+            generate.generate(model, prompt, 20, SamplingConfig()).tokens
