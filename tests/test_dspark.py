@@ -386,3 +386,11 @@ def test_an_int8_dspark_head_decodes_losslessly(target8, tmp_path):
     for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):
         assert generate.generate(model, prompt, 20, SamplingConfig(), draft=draft, tree=tree).tokens == \
             generate.generate(model, prompt, 20, SamplingConfig()).tokens
+
+
+@pytest.mark.slow
+def test_compiled_lattice_tree_decodes_as_eager_in_one_graph(target8, tmp_path):
+    target_dir, hf = target8
+    folder, _ = deepspec_head(tmp_path, hf)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    check_compiled_cycle(model, load_draft(folder / "draft.pth", model), TreeConfig(3, 3, 10))
