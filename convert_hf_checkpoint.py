@@ -1,9 +1,11 @@
 """Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv),
-or an EAGLE-1/2 or EAGLE-3 draft head folder into DIR/draft.pth; which one it is comes from its contents.
+or an EAGLE-1/2, EAGLE-3, DFlash or DSpark draft head folder into DIR/draft.pth; which one it is comes from its
+contents.
 
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE-llama2-chat-7B
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
+    python convert_hf_checkpoint.py --checkpoint_dir checkpoints/deepseek-ai/dspark_qwen3_8b_block7
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4
 
 The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.

@@ -1,4 +1,4 @@
-"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3 and DFlash heads (their configs made flat,
+"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3, DFlash and DSpark heads (their configs made flat,
 their flags, the target layers they read), the checks that refuse a head that does not fit its target, and
 load_head, which builds draft.py's classes from a converted draft.pth.
 
@@ -19,7 +19,7 @@ from quantize import pack_quantized, pop_quantization, use_quantized_linears
 
 
 def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
-    """An EAGLE-1/2, EAGLE-3 or DFlash head converted by convert_hf_checkpoint.py (or quantized by quantize.py),
+    """An EAGLE-1/2, EAGLE-3, DFlash or DSpark head converted by convert_hf_checkpoint.py (or quantized by quantize.py),
     checked against its target."""
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
