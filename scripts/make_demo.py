@@ -204,30 +204,17 @@ def train_head3(args, target_dir: Path, head3_dir: Path, files: list) -> dict:
             "threads": torch.get_num_threads(), "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def train_dflash(args, target_dir: Path, dflash_dir: Path, files: list) -> dict:
-    """The DFlash head, trained on the same sources; shipped like the EAGLE-3 head."""
+def train_dflash(args, target_dir: Path, dflash_dir: Path, files: list, kind: str = "dflash") -> dict:
+    """The DFlash head (or with kind "dspark" the DSpark head, DSPARK's settings), trained on the same sources with
+    the same budget; shipped like the EAGLE-3 head."""
     t0 = time.perf_counter()
     examples = code_examples(files, Tokenizer(target_dir), args.seq_len)
     cfg = TrainConfig(steps=args.dflash_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3, warmup=50,
-                      save_every=10 ** 9, **DFLASH)
+                      save_every=10 ** 9, **(DSPARK if kind == "dspark" else DFLASH))
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     shutil.rmtree(dflash_dir, ignore_errors=True)
-    train(target, examples, dflash_dir, cfg, resume=False, kind="dflash", feature_layers=DFLASH_FEATURE_LAYERS)
+    train(target, examples, dflash_dir, cfg, resume=False, kind=kind, feature_layers=DFLASH_FEATURE_LAYERS)
     ship_bf16(dflash_dir)
-    return {"train": asdict(cfg), "feature_layers": DFLASH_FEATURE_LAYERS, "threads": torch.get_num_threads(),
-            "seconds": round(time.perf_counter() - t0, 1)}
-
-
-def train_dspark(args, target_dir: Path, dspark_dir: Path, files: list) -> dict:
-    """The DSpark head, with the DFlash head's data, layers, steps and learning rate; shipped like it."""
-    t0 = time.perf_counter()
-    examples = code_examples(files, Tokenizer(target_dir), args.seq_len)
-    cfg = TrainConfig(steps=args.dflash_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3, warmup=50,
-                      save_every=10 ** 9, **DSPARK)
-    target = load_target(target_dir / "model.pth", "cpu", "fp32")
-    shutil.rmtree(dspark_dir, ignore_errors=True)
-    train(target, examples, dspark_dir, cfg, resume=False, kind="dspark", feature_layers=DFLASH_FEATURE_LAYERS)
-    ship_bf16(dspark_dir)
     return {"train": asdict(cfg), "feature_layers": DFLASH_FEATURE_LAYERS, "threads": torch.get_num_threads(),
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -292,7 +279,7 @@ def main(argv=None):
                       "python": platform.python_version()}
             build_target_and_head(args, target_dir, head_dir, files, recipe)
         if args.only_dspark:
-            recipe["dspark"] = train_dspark(args, target_dir, dspark_dir, files)
+            recipe["dspark"] = train_dflash(args, target_dir, dspark_dir, files, "dspark")
             print(f"dspark: {recipe['dspark']['seconds']} s; measuring tau on the held-out modules", flush=True)
             recipe["held_out"] |= measure_dspark(target_dir, dspark_dir)
             recipe_path.write_text(json.dumps(recipe, indent=2))
@@ -305,7 +292,7 @@ def main(argv=None):
             recipe["dflash"] = train_dflash(args, target_dir, dflash_dir, files)
             print(f"dflash: {recipe['dflash']['seconds']} s")
         if not only:
-            recipe["dspark"] = train_dspark(args, target_dir, dspark_dir, files)
+            recipe["dspark"] = train_dflash(args, target_dir, dspark_dir, files, "dspark")
             print(f"dspark: {recipe['dspark']['seconds']} s")
 
         print("measuring tau on the held-out modules", flush=True)

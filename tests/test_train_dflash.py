@@ -64,7 +64,9 @@ def test_block_position_k_learns_the_target_s_pick_for_anchor_plus_k():
     assert counts[0].tolist() == [[True, True, True], [True, True, False], [False, False, False]]
 
 
-def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path):
+def train_a_head(checkpoints, tmp_path, kind: str, **settings):
+    """A head of this kind trained 60 steps on llama8 over a small corpus: (target, cfg, untrained, trained, a
+    held-out batch)."""
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     tokenizer = generate.Tokenizer(target_dir)
@@ -73,16 +75,26 @@ def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path
     for layer in target.layers:
         layer.attention.kv_cache = None
     cfg = train_draft.TrainConfig(steps=60, batch_size=8, seq_len=48, lr=3e-3, warmup=5, block_size=4, draft_layers=1,
-                                  anchors=8)
-    untrained, _, _ = train_draft.make_head("dflash", target, examples, cfg)
+                                  anchors=8, **settings)
+    untrained, _, _ = train_draft.make_head(kind, target, examples, cfg)
     untrained.setup_rope(64)
-    trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind="dflash", log=lambda *_: None)
-    tokens, mask = next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind=kind, log=lambda *_: None)
+    return target, cfg, untrained, trained, next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+
+
+def losses(target, cfg, heads, batch) -> list:
+    """dflash_loss of each head on the same batch and anchors: [(loss, top-1 agreement per draft)]."""
+    out = []
     with torch.no_grad():
-        torch.manual_seed(0)
-        before, agree_before = train_draft.dflash_loss(untrained, target, tokens, mask, cfg)
-        torch.manual_seed(0)
-        after, agree_after = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
+        for head in heads:
+            torch.manual_seed(0)
+            out.append(train_draft.dflash_loss(head, target, *batch, cfg))
+    return out
+
+
+def test_training_raises_agreement_at_every_block_position(checkpoints, tmp_path):
+    target, cfg, untrained, trained, batch = train_a_head(checkpoints, tmp_path, "dflash")
+    (before, agree_before), (after, agree_after) = losses(target, cfg, [untrained, trained], batch)
     print(f"loss {before:.3f} -> {after:.3f}; top-1 {agree_before.tolist()} -> {agree_after.tolist()}")
     assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
 
@@ -135,28 +147,12 @@ def test_errors(checkpoints, tmp_path):
 def test_dspark_training_raises_agreement_and_its_markov_loss_sees_the_token_before(checkpoints, tmp_path):
     """A DSpark head's loss: row j's logits plus the Markov bias of the token before draft j (the anchor, then the
     target's own picks); training lowers it and raises the top-1 agreement at every row, the anchor's included."""
-    target_dir, _ = checkpoints("llama8")
-    target = load_target(target_dir / "model.pth", "cpu", "fp32")
-    tokenizer = generate.Tokenizer(target_dir)
-    text = tokenizer.encode(corpus(tmp_path / "corpus.txt", n_words=3000).read_text(), bos=False)
-    examples = [(text[i:i + 48], [1] * 48) for i in range(0, len(text) - 48, 48)]
-    for layer in target.layers:
-        layer.attention.kv_cache = None
-    cfg = train_draft.TrainConfig(steps=60, batch_size=8, seq_len=48, lr=3e-3, warmup=5, block_size=4, draft_layers=1,
-                                  anchors=8, markov_rank=16)
-    untrained, _, _ = train_draft.make_head("dspark", target, examples, cfg)
-    untrained.setup_rope(64)
-    trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind="dspark", log=lambda *_: None)
-    tokens, mask = next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    target, cfg, untrained, trained, batch = train_a_head(checkpoints, tmp_path, "dspark", markov_rank=16)
+    (before, agree_before), (after, agree_after) = losses(target, cfg, [untrained, trained], batch)
+    assert len(agree_after) == 4  # every row drafts: block_size drafts
     with torch.no_grad():
-        torch.manual_seed(0)
-        before, agree_before = train_draft.dflash_loss(untrained, target, tokens, mask, cfg)
-        torch.manual_seed(0)
-        after, agree_after = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
-        assert len(agree_after) == 4  # every row drafts: block_size drafts
-        torch.manual_seed(0)
         trained.markov_head.markov_w2.weight.zero_()
-        blind, agree_blind = train_draft.dflash_loss(trained, target, tokens, mask, cfg)
+    (blind, _), = losses(target, cfg, [trained], batch)
     print(f"loss {before:.3f} -> {after:.3f} (without the Markov bias {blind:.3f}); top-1 {agree_before.tolist()} -> "
           f"{agree_after.tolist()}")
     assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
