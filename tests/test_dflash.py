@@ -285,7 +285,7 @@ def test_sampling_with_a_dflash_head_matches_the_target_distribution(tmp_path):
     ({"vocab_size": 90}, "vocabulary 90 vs 96"),
     ({"num_target_layers": 36}, "target layers 36 vs 8"),
     ({"dflash_config": {"mask_token_id": 96, "target_layer_ids": [1, 5]}}, "mask_token_id must be a token id"),
-    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 7]}}, "target_layer_ids .* must name layers 0..6"),
+    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 7]}}, "target_layer_ids .* must name layers -1..6"),
     ({"block_size": 1}, "block_size must be"),
     ({"architectures": ["DFlash2DraftModel"]}, "eaglet runs DFlashDraftModel \\(z-lab\\)")])
 def test_a_head_that_does_not_fit_is_refused_by_name(target8, tmp_path, change, match):

@@ -178,3 +178,29 @@ def test_cli_trains_a_dspark_head_in_deepspec_s_layout_that_decodes_losslessly(c
     plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
     assert "tree 5 tokens, depth 3, top-k 1" in capsys.readouterr().out  # the chain of its block: 4 drafts
+
+
+def test_dspark_loss_scores_each_draft_after_the_token_before_it(checkpoints):
+    """In the DSpark loss, draft j's Markov state is the token at anchor + j: the anchor itself for j = 0, then the
+    target's own pick for that position (what an accepted prefix holds), never the token draft j is to learn."""
+    target_dir, _ = checkpoints("llama8")
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    head, cfg = fresh_head(target, 4, kind="dspark")
+    target.setup_rope(64)
+    head.setup_rope(64)
+    tokens, mask = torch.randint(4, 96, (2, 24), generator=torch.Generator().manual_seed(1)), torch.ones(2, 24)
+    seen, next_logits = [], head.next_logits
+    head.next_logits = lambda rows, prev: seen.append(prev.clone()) or next_logits(rows, prev)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        train_draft.dflash_loss(head, target, tokens, mask, cfg)
+        torch.manual_seed(0)
+        anchors, _ = train_draft.dflash_anchors(mask, cfg.anchors)
+        picks = target(tokens, torch.arange(24), None, train_draft.causal(24, "cpu"))[0].argmax(-1)
+    prev = seen[0]  # [B, anchors, 4]
+    for b in range(2):
+        for i, a in enumerate(anchors[b].tolist()):
+            want = [int(tokens[b, a])] + [int(picks[b, min(a + j - 1, 22)]) for j in range(1, 4)]
+            assert prev[b, i].tolist() == want
