@@ -301,8 +301,9 @@ REFUSED = {  # id: (the head folder, what the one line of convert_hf_checkpoint.
                                   "norm_output must be true or false, got 'yes'"),
     "speculators without norm_before_residual": (edit("speculators", lambda c: c.pop("norm_before_residual")),
                                                  "norm_before_residual is not set"),
-    "speculators head of another algorithm": (edit("speculators", lambda c: c.update(speculators_model_type="dflash")),
-                                              "speculators_model_type 'dflash' is not an EAGLE-3 head"),
+    "speculators head of another algorithm": (edit("speculators", lambda c: c.update(speculators_model_type="mtp")),
+                                              "speculators_model_type 'mtp'; eaglet reads speculators' eagle3, dflash "
+                                              "and dspark heads"),
     "speculators layer of another model_type": (
         edit("speculators", lambda c: c["transformer_layer_config"].update(model_type="mistral")),
         "transformer_layer_config model_type 'mistral'"),
