@@ -291,11 +291,6 @@ class DFlashDraft(DraftHead):
             x = layer(x, cos, sin, pos, mask)
         return self.norm(x[:, self.first_row:]).view(*root.shape, levels, -1)
 
-    def block_topk(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int, k: int):
-        """The k best tokens of each of the block's levels draft rows from one pass, each row on its own (the
-        marginals: log-probabilities and target ids [..., levels, k])."""
-        return self.topk(target, self.block_states(target, root, ctx_len, levels), k)
-
     def next_logits(self, row_logits: Tensor, prev: Tensor) -> Tensor:
         """A row's draft logits given the token before it (prev [..., m], target ids): a DFlash row ignores it,
         the same logits [..., 1, vocab] for every m."""

@@ -65,7 +65,7 @@ def test_a_dflash_block_drafts_each_node_from_its_levels_position(demo):
                              causal_mask(torch.arange(ctx), 512))
         draft.catch_up(target, torch.tensor(prompts[0][1:]), features[0], torch.tensor(0), ctx - 1)
         built = tree.expand(target, draft, root, ctx, None)
-        logp, ids = draft.block_topk(target, root, ctx, tree.depth, tree.topk)
+        logp, ids = draft.topk(target, draft.block_states(target, root, ctx, tree.depth), tree.topk)  # marginals
     for i, path in enumerate(tree.choices, start=1):
         assert built.tokens[i] == ids[len(path) - 1, path[-1]] and built.draft_logp[i] == logp[len(path) - 1, path[-1]]
     deep = StaticTree(tuple(tuple([0] * d) for d in range(1, draft.block_size + 1)))  # one level too deep
