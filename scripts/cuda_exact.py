@@ -3,7 +3,7 @@ output against plain eager decoding of the same target in the same precision, to
 
 The ways, in the order they are checked (most used first, so a cut budget drops the least used): plain compiled;
 EAGLE-2 eager, compiled (CUDA graphs, running ahead as on CUDA by default), compiled without running ahead;
-EAGLE-3 and DFlash (chain and tree) compiled; three prompts at once, plain and EAGLE-2; an int4 target, EAGLE-2
+EAGLE-3, DFlash and DSpark (chain and tree) compiled; three prompts at once, plain and EAGLE-2; an int4 target, EAGLE-2
 compiled against plain eager on the same int4 weights. Each in bf16 (CUDA's default) and fp32.
 
 A difference is reported with its first position and whether it is a near-tie: the top-2 logit gap of plain
@@ -30,9 +30,10 @@ from tokenizer import Tokenizer  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
-HEADS = {"EAGLE-2": "head", "EAGLE-3": "head3", "DFlash": "dflash"}
+HEADS = {"EAGLE-2": "head", "EAGLE-3": "head3", "DFlash": "dflash", "DSpark": "dspark"}
 TREES = {"EAGLE-2": TreeConfig(6, 10, 60), "EAGLE-3": TreeConfig(7, 10, 60), "DFlash chain 8": TreeConfig(6, 1, 8),
-         "DFlash tree 16": TreeConfig(6, 4, 16)}
+         "DFlash tree 16": TreeConfig(6, 4, 16), "DSpark chain 8": TreeConfig(6, 1, 8),
+         "DSpark tree 16": TreeConfig(6, 4, 16)}
 # name: (head, tree, compiled, run_ahead (None: the device's default), prompts at once)
 WAYS = {"plain, compiled": (None, None, True, None, 1),
         "EAGLE-2, eager": ("EAGLE-2", "EAGLE-2", False, None, 1),
@@ -41,6 +42,8 @@ WAYS = {"plain, compiled": (None, None, True, None, 1),
         "EAGLE-3, compiled": ("EAGLE-3", "EAGLE-3", True, None, 1),
         "DFlash chain 8, compiled": ("DFlash", "DFlash chain 8", True, None, 1),
         "DFlash tree 16, compiled": ("DFlash", "DFlash tree 16", True, None, 1),
+        "DSpark chain 8, compiled": ("DSpark", "DSpark chain 8", True, None, 1),
+        "DSpark tree 16, compiled": ("DSpark", "DSpark tree 16", True, None, 1),
         "plain, 3 prompts at once, compiled": (None, None, True, None, 3),
         "EAGLE-2, 3 prompts at once, compiled": ("EAGLE-2", "EAGLE-2", True, None, 3)}
 # (target, way) in the order they are checked: what users run most first, so a cut budget drops the least used.
@@ -48,10 +51,11 @@ WAYS = {"plain, compiled": (None, None, True, None, 1),
 PLAN = [("bf16", "plain, compiled"), ("bf16", "EAGLE-2, eager"), ("bf16", "EAGLE-2, compiled"),
         ("bf16", "EAGLE-2, compiled, no running ahead"), ("fp32", "EAGLE-2, compiled"),
         ("bf16", "EAGLE-3, compiled"), ("bf16", "DFlash chain 8, compiled"), ("bf16", "DFlash tree 16, compiled"),
+        ("bf16", "DSpark chain 8, compiled"), ("bf16", "DSpark tree 16, compiled"),
         ("bf16", "EAGLE-2, 3 prompts at once, compiled"), ("int4", "EAGLE-2, compiled"),
         ("fp32", "DFlash tree 16, compiled"), ("fp32", "EAGLE-3, compiled"), ("bf16", "plain, 3 prompts at once, compiled"),
         ("fp32", "plain, compiled"), ("fp32", "DFlash chain 8, compiled"), ("fp32", "EAGLE-2, 3 prompts at once, compiled"),
-        ("int4", "plain, compiled")]
+        ("int4", "plain, compiled"), ("fp32", "DSpark chain 8, compiled"), ("fp32", "DSpark tree 16, compiled")]
 GREEDY = SamplingConfig()
 CACHE = 512
 

@@ -634,7 +634,7 @@ def parse_args(argv=None):
                         "random DFlash head on each shape's first format: their cycles phase by phase, chains of 8 "
                         "and 32-token trees")
     p.add_argument("--exact", action="store_true",
-                   help="first: the demo decoded every way a user can run it (plain, EAGLE-2/3, DFlash chain and tree, "
+                   help="first: the demo decoded every way a user can run it (plain, EAGLE-2/3, DFlash and DSpark chain and tree, "
                         "compiled or eager, running ahead or not, several prompts, int4) against plain eager, token "
                         "for token, in bf16 and fp32 (scripts/cuda_exact.py)")
     p.add_argument("--exact_budget_s", type=int_flag(1), default=240,

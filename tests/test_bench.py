@@ -530,7 +530,7 @@ def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
     assert cuda_exact.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert cuda_exact.first_difference([1, 2, 3], [1, 2]) == 2
     plan = [("fp32", "EAGLE-2, eager"), ("fp32", "DFlash tree 16, compiled"), ("bf16", "EAGLE-3, compiled"),
-            ("fp32", "EAGLE-2, 3 prompts at once, compiled")]
+            ("fp32", "EAGLE-2, 3 prompts at once, compiled"), ("fp32", "DSpark tree 16, compiled")]
     saved = []
     rows = cuda_exact.check_all("cpu", plan, n_tokens=64, budget_s=3600, save=saved.append)
     ways = rows["ways"]
