@@ -33,7 +33,7 @@ from attention import attention_mask
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
                    TransformerBlock)
 from quantize import Int8Linear
-from draft_tree import DraftTree, block_tree, build_tree, take  # noqa: F401 (DraftTree, build_tree, block_tree: their old import path)
+from draft_tree import DraftTree, build_tree, head_name, take  # noqa: F401 (DraftTree, build_tree: their old import path)
 
 
 class DraftHead(nn.Module):
@@ -350,10 +350,6 @@ class DSparkDraft(DFlashDraft):
         """The drafts after each prev [..., m] whose confidence is below the threshold (bool [..., m]); None when
         the threshold is 0."""
         return self.confidence_of(row_state, prev) < self.confidence if self.confidence else None
-
-
-def head_name(head: DraftHead) -> str:
-    return type(head).__name__.removesuffix("Draft")
 
 
 def linear_rows(linear: nn.Module, ids: Tensor) -> nn.Module:

@@ -56,11 +56,16 @@ def check_topk(head, topk: int):
         raise EagletError(f"tree_topk {topk} exceeds the draft's vocabulary ({head.vocab_size})")
 
 
+def head_name(head) -> str:
+    """A head's kind as messages name it: DFlash, DSpark, Eagle, Eagle3."""
+    return type(head).__name__.removesuffix("Draft")
+
+
 def check_block(head, depth: int):
     if is_block_drafter(head) and depth + 1 > head.max_levels:
         raise EagletError(f"a tree of depth {depth} needs a block of {depth + 1 + head.first_row} tokens; this "
-                          f"{type(head).__name__.removesuffix('Draft')} head was trained on blocks of "
-                          f"{head.block_size} (depth at most {head.max_levels - 1})")
+                          f"{head_name(head)} head was trained on blocks of {head.block_size} (depth at most "
+                          f"{head.max_levels - 1})")
 
 
 @dataclass
@@ -151,15 +156,6 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
     pool_scores = torch.cat(pool_scores, dim=-1)
     return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
                        torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
-
-
-def block_tree(logp: Tensor, ids: Tensor, root: Tensor, total_tokens: int) -> DraftTree:
-    """A tree from a block's per-position top-k (logp, ids [..., levels, k]): every node at level i has the same
-    k children, position i + 1's candidates, scored by the product of their marginals."""
-    def children(i, prev):
-        shape = (*prev.shape, logp.shape[-1])
-        return logp[..., i, None, :].expand(shape), ids[..., i, None, :].expand(shape)
-    return grow_lattice(children, root, *logp.shape[-2:], total_tokens)
 
 
 def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, levels: int, k: int):

@@ -13,7 +13,8 @@ import generate
 from conftest import STAT_SAMPLES, check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
-from draft import DFlashDraft, block_tree
+from draft import DFlashDraft
+from draft_tree import grow_lattice
 from head_formats import dflash_layer_ids
 from generate import load_draft, load_target
 
@@ -233,6 +234,12 @@ def test_batch_rows_decode_as_each_alone(target8, tmp_path):
 def test_block_tree_keeps_the_best_paths_of_the_marginals():
     logp = torch.log_softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(1)), -1)
     top, ids = logp.topk(2, dim=-1)
+
+    def block_tree(top, ids, root, total_tokens):  # a DFlash head's lattice: the same children after every parent
+        def children(i, prev):
+            shape = (*prev.shape, top.shape[-1])
+            return top[..., i, None, :].expand(shape), ids[..., i, None, :].expand(shape)
+        return grow_lattice(children, root, *top.shape[-2:], total_tokens)
     chain = block_tree(top[:, :1], ids[:, :1], torch.tensor(7), 4)
     assert chain.tokens.tolist() == [7] + ids[:, 0].tolist() and chain.parents.tolist() == [0, 0, 1, 2]
     tree = block_tree(top, ids, torch.tensor(7), 7)
