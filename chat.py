@@ -143,11 +143,24 @@ def run_batches(args, gen_batch: Callable, tokenizer: Tokenizer, prompts: list, 
 
 
 def demo_note(args):
-    if args.demo:
+    """The demo's note, true where it prints: the speed claim on a CPU only (on a GPU speculation wins: BENCHMARKS.md),
+    the same-text claim as exact as the precision makes it."""
+    if not args.demo or args.draft_checkpoint_path is None:
+        return
+    if args.device == "cpu":
         print("(the demo's target has 4M parameters: on a CPU its forward costs about as much as a draft pass, so "
-              "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here; "
-              "the text is the same either way. Speculation pays where each forward reads gigabytes of weights: "
-              "a 7B model on a GPU)")
+              "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here. "
+              "Speculation pays where each forward reads gigabytes of weights: a 7B model on a GPU)")
+    if args.temperature == 0:
+        print(f"({same_text_note(args.precision)})")
+
+
+def same_text_note(precision: str) -> str:
+    if precision == "fp32":
+        return "greedy: --no_draft gives the same text token for token"
+    return (f"greedy in {precision}: --no_draft gives the same text up to near-ties, two tokens whose logits "
+            f"{precision} cannot tell apart, where the two runs may part; --precision fp32 gives the same text "
+            "token for token either way")
 
 
 def summarize(samples: list) -> dict:

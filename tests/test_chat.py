@@ -1,5 +1,6 @@
 """The user's side (chat.py): chat templates, the streamer and stop strings, --json_out's samples, and the
 interactive chat with its cache reuse, /help, /reset and Ctrl-C."""
+import argparse
 import json
 
 import pytest
@@ -151,3 +152,16 @@ def test_chat_template_file_and_its_variables(checkpoints, tmp_path):
     expect_error(argv + ["--chat_template_kwargs", '{"messages": []}'], "set by eaglet itself")
     expect_error(argv[:6] + [str(tmp_path / "missing.jinja")], "chat template file not found")
     expect_error(argv[:4] + ["--chat_template_kwargs", "{}"], "--chat_template_kwargs needs --chat")
+
+
+@pytest.mark.parametrize("device, precision, speed_note, exact_note", [
+    ("cpu", "fp32", True, "token for token"), ("cuda", "bf16", False, "near-ties"), ("cuda", "fp32", False, "token for token")])
+def test_demo_note_says_only_what_holds_where_it_prints(capsys, device, precision, speed_note, exact_note):
+    args = argparse.Namespace(demo=True, draft_checkpoint_path="demo/head/draft.pth", device=device,
+                              precision=precision, temperature=0.0)
+    chat.demo_note(args)
+    out = capsys.readouterr().out
+    assert ("--no_draft is faster here" in out) == speed_note
+    assert exact_note in out
+    chat.demo_note(argparse.Namespace(**{**vars(args), "temperature": 1.0, "device": "cuda"}))
+    assert capsys.readouterr().out == ""  # sampled text differs run to run anyway: no note
