@@ -47,12 +47,19 @@ class SamplingConfig:
 class GenerationResult:
     prompt_tokens: list
     tokens: list  # generated ids, prompt excluded
-    seconds: float
+    seconds: float  # from the call to the last token read back, the prefill included
     accept_lengths: list = field(default_factory=list)  # tokens emitted per cycle (speculative only)
+    first_token_seconds: float = 0.0  # time to first token: the prefill (and the head's first pass), read back
 
     @property
     def tokens_per_s(self) -> float:
+        """End to end: every token over the whole time, the prefill included."""
         return len(self.tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after the first over the time after it: the steps' or cycles' rate, the prefill left out."""
+        return (len(self.tokens) - 1) / max(self.seconds - self.first_token_seconds, 1e-9)
 
     @property
     def tau(self) -> float:
@@ -248,7 +255,9 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
     tokens, accept_lengths = [], []
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
-    if not emit([token.item()]):
+    done = emit([token.item()])
+    first_token_seconds = time.perf_counter() - t0
+    if not done:
         ctx_len = torch.tensor(len(prompt_tokens), device=device)
         if draft is None:
             call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
@@ -260,8 +269,9 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
         run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest,
                   tree.scratch if draft else 1, model.max_seq_length, ahead,
                   accept_lengths if draft is not None else None)
+    seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)
-    return GenerationResult(list(prompt_tokens), tokens, time.perf_counter() - t0, accept_lengths)
+    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds)
 
 
 def plain_call(model, sampling, step_fn, state, filled: int):
@@ -288,12 +298,14 @@ def run_calls(call: Callable, state, n_prompt: int, tokens: list, emit: Callable
     Run ahead: call k+1 is queued (from call k's outputs, still on the device) before call k's tokens are read,
     so the GPU is not idle while the host reads, streams and checks them. When call k ends the generation (EOS,
     max_new_tokens, a stop string) call k+1 is thrown away: its tokens are never read and what it wrote lies
-    past the kept context. It is queued only when call k may not end it and when it surely fits in the cache."""
+    past the kept context. It is queued only when call k cannot reach max_new_tokens (a cycle emits up to widest
+    tokens: a last cycle queued ahead would cost a whole cycle's device time for nothing) and when it surely fits
+    in the cache."""
     pending, state = call(state, n_prompt + len(tokens) - 1)
     while True:
         ctx = n_prompt + len(tokens) - 1  # the context call k starts from (its root is not in the cache yet)
         queued = None
-        if ahead and max_new_tokens - len(tokens) > 1 and ctx + widest + scratch <= max_seq_length:
+        if ahead and max_new_tokens - len(tokens) > widest and ctx + widest + scratch <= max_seq_length:
             queued = call(state, ctx + widest)  # its context is at most call k's plus what call k emits
         out = pending.tolist()
         new = [check_agreed(out[0])] if accept_lengths is None else out[1:check_agreed(out[0]) + 2]
@@ -361,6 +373,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
                      on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
     new, ctx_len, next_ctx = [[t] for t in token.tolist()], lengths.clone(), lengths.clone()
+    first_token_seconds = time.perf_counter() - t0
     if draft is not None:
         step_fn = step_fn or speculative_cycle
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
@@ -391,7 +404,8 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
                 t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
             out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
             new = [o[1:check_agreed(o[0]) + 2] for o in out]
-    return [GenerationResult(list(p), r, s, a) for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
+    return [GenerationResult(list(p), r, s, a, first_token_seconds)
+            for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
 
 
 def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):

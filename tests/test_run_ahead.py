@@ -73,22 +73,28 @@ def test_eos_and_stop_strings_end_where_they_did(demo):
 
 
 def test_calls_are_queued_before_tokens_are_read(demo):
-    """When a cycle's tokens reach the host, the next cycle has already been called (but for the last ones)."""
+    """When a cycle's tokens reach the host, the next cycle has already been called, but for the cycles that may
+    reach max_new_tokens (up to tree.levels tokens short of it): a cycle queued after those would be thrown away,
+    a whole cycle's device time for nothing."""
     target, draft, prompts = demo
-    calls, seen_at = [0], []
+    calls, seen_at, emitted = [0], [], [0]
+    levels = TreeConfig().levels
 
     def counting_cycle(*args):
         calls[0] += 1
         return generate.speculative_cycle(*args)
 
     def on_tokens(new):
-        seen_at.append(calls[0])
+        seen_at.append((calls[0], emitted[0]))
+        emitted[0] += len(new)
     result = generate.generate(target, prompts[0], 40, GREEDY, draft=draft, step_fn=counting_cycle,
                                on_tokens=on_tokens, run_ahead=True)
     cycles = len(result.accept_lengths)
-    assert seen_at[0] == 0  # the prefill's token
-    assert seen_at[1:cycles] == list(range(2, cycles + 1))  # cycle k's tokens read after cycle k + 1 was called
-    assert calls[0] <= cycles + 1
+    assert seen_at[0] == (0, 0)  # the prefill's token
+    for k, (called, before) in enumerate(seen_at[1:], 1):  # cycle k's tokens, read after `called` calls
+        assert called == (k + 1 if 40 - before > levels else k), (k, called, before)
+    assert calls[0] == cycles  # it ended by max_new_tokens: no call queued and thrown away
+    assert any(40 - before > levels for _, before in seen_at[1:])  # some cycles did run ahead
 
 
 @pytest.mark.parametrize("speculative", [False, True])
