@@ -21,6 +21,7 @@ import time
 from argparse import ArgumentTypeError
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 from cli import PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
@@ -142,8 +143,8 @@ from chat import write_output  # noqa: E402
 from draft import DFlashDraft, DraftHead, DSparkDraft, EagleDraft, head_name as draft_kind  # noqa: E402
 from head_formats import dflash_layer_ids, read_draft_vocab  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
-                    cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, speculative_cycle,
-                    verify, weight_bytes, weights_format)
+                    cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, keep_new, run_calls,
+                    speculative_cycle, verify, weight_bytes, weights_format)
 from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, load_draft,  # noqa: E402
                       load_target, pick_device)
 from checkpoint import converted_file  # noqa: E402
@@ -496,7 +497,10 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
         generate(target, prompt, 16, GREEDY, **kwargs)  # warm-up (compilation)
         result = generate(target, prompt, n_tokens, GREEDY, **kwargs)
         rows[name] = {"tokens_per_s": result.tokens_per_s, "tau": result.tau if result.accept_lengths else None,
-                      "tokens": result.tokens}
+                      "tokens": result.tokens, "first_token_ms": result.first_token_seconds * 1e3,
+                      "decode_tokens_per_s": result.decode_tokens_per_s,
+                      "decode_ms": (result.seconds - result.first_token_seconds) * 1e3,
+                      "calls": len(result.accept_lengths) if "draft" in kwargs else len(result.tokens) - 1}
     if with_hf:  # same weights, same greedy tokens (bf16 may flip a rare near-tie)
         rows["transformers generate"]["tokens"] = hf_tokens
     base = rows[speedup_base(rows)]["tokens_per_s"]
@@ -505,6 +509,54 @@ def side_by_side(target, draft, tree, step_fns, n_tokens: int, with_hf: bool, pr
         row["speedup"] = row["tokens_per_s"] / base
         row["same_tokens_as_plain"] = row.pop("tokens") == plain_tokens
     return rows
+
+
+def outside_the_graph(results: dict) -> dict:
+    """Per step (plain) and per cycle (EAGLE-2) of the side-by-side run, after its first token: the time a call took
+    end to end against the time the same call takes back to back (the plain step, the whole cycle: bench_plain's
+    and bench_cycle's, at context START_PROMPT; the run's own contexts span its prompt's to its end). The rest is
+    spent outside the call: launching it, reading its tokens back, the host's loop. at_call_rate = the run's
+    decode rate / the rate its calls alone would give."""
+    out = {}
+    for name, call_ms in [("eaglet plain", results["plain"]["step_ms"]),
+                          ("eaglet EAGLE-2", results["cycle"]["phases"]["whole cycle"]["ms"])]:
+        run = results["side_by_side"][name]
+        if run["calls"]:
+            per_call = run["decode_ms"] / run["calls"]
+            out[name] = {"call_ms": call_ms, "end_to_end_ms_per_call": per_call, "outside_ms_per_call": per_call - call_ms,
+                         "at_call_rate": call_ms / per_call, "first_token_ms": run["first_token_ms"]}
+    return out
+
+
+def loop_host_us(levels: int, calls: int = 20000) -> dict:
+    """The host's own cost per call of generate's loop (run_calls: queue, read back, emit, stop checks) with the
+    device work taken out: the call returns tokens already computed, on the CPU."""
+    out = {}
+    for name, width in [("plain", 1), ("EAGLE-2", levels + 1)]:
+        done = torch.tensor([levels - 1] + [7] * levels) if width > 1 else torch.tensor([7])
+        tokens = []
+        emit = partial(keep_new, tokens, eos_ids=(), max_new_tokens=calls * width)
+        t0 = time.perf_counter()
+        run_calls(lambda state, filled: (done, state), None, 1, tokens, emit, calls * width, width, 1, 1 << 40, True,
+                  [] if width > 1 else None)
+        n_calls = len(tokens) / (levels if width > 1 else 1)
+        out[name] = (time.perf_counter() - t0) / n_calls * 1e6
+    return out
+
+
+def outside_lines(results: dict) -> list:
+    rows, loop = results.get("outside_the_graph", {}), results.get("host_loop_us", {})
+    if not rows:
+        return []
+    lines = ["", "| side by side, after the first token | a call back to back (ms) | the same call end to end (ms) | "
+             "outside the call (ms) | decode rate / the calls' own rate | time to first token (ms) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {r['call_ms']:.3f} | {r['end_to_end_ms_per_call']:.3f} | {r['outside_ms_per_call']:.3f} | "
+              f"{pct(r['at_call_rate'])} | {r['first_token_ms']:.1f} |" for name, r in rows.items()]
+    if loop:
+        lines += ["", f"The host loop alone (run_calls with the device work taken out): {loop['plain']:.1f} us a plain "
+                  f"step, {loop['EAGLE-2']:.1f} us a cycle."]
+    return lines
 
 
 def calibration_prompts(args, target: Transformer) -> tuple:
@@ -695,7 +747,7 @@ def markdown(results: dict) -> str:
                          + (f"{limit['tokens_per_s']:.1f} | {pct(limit['fraction'])} |" if limit else "- | - |"))
         lines += ["", f"Physical limit of a task: its tau x the copy bandwidth {copy:.4g} GB/s / the bytes floor "
                   f"{cycle['cycle_bytes_GB']:.4g} GB per cycle (at context {ctx}; the turns' own contexts differ)."]
-    return "\n".join(lines + tuned_tree_lines(results) + batch_lines(results) + cache_size_lines(results)) + "\n"
+    return "\n".join(lines + outside_lines(results) + tuned_tree_lines(results) + batch_lines(results) + cache_size_lines(results)) + "\n"
 
 
 def launcher(group) -> str:
@@ -886,6 +938,8 @@ def main(argv=None):
                     "spec": compile_step(speculative_cycle, device) if args.compile else speculative_cycle}
         print(f"side by side on the same weights: {prompt_text}", flush=True)
         results["side_by_side"] = side_by_side(target, draft, tree, step_fns, args.side_tokens, args.hf, prompt)
+        results["outside_the_graph"] = outside_the_graph(results)
+        results["host_loop_us"] = loop_host_us(tree.levels)
         if args.tune_tree:
             print("tuning the tree as generate.py --tree auto does, then both trees end to end", flush=True)
             results["setup"]["calibration_prompts"] = calibration_text

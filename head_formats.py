@@ -382,6 +382,15 @@ def is_dflash_config(config: dict) -> bool:
         any("DFlash" in str(a) or "DSpark" in str(a) for a in config.get("architectures") or [])
 
 
+def default_draft_vocab(vocab_size: int, keep_ids, size: int) -> Tensor:
+    """The size lowest token ids, with keep_ids (the EOS tokens) in place of the highest of them where they lie above.
+    A byte-level BPE tokenizer (LLaMA-3, Qwen, Mistral's Tekken, SmolLM2) numbers its tokens in the order it
+    merged them, most frequent pair first, so low ids are, roughly, frequent tokens: the draft vocabulary
+    needs no counted text (FR-Spec counts a corpus; scripts/draft_vocab.py does, and its file wins)."""
+    extra = sorted({int(t) for t in keep_ids if size <= t < vocab_size})
+    return torch.cat([torch.arange(min(size, vocab_size) - len(extra)), torch.tensor(extra, dtype=torch.long)])
+
+
 def read_draft_vocab(path, vocab_size: int) -> Tensor:
     """A draft vocabulary file written by scripts/draft_vocab.py: {"token_ids": [...]}, most frequent first."""
     path = Path(path)

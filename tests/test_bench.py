@@ -370,6 +370,17 @@ def test_derived_figures_follow_from_their_reported_inputs(runs):
                                                   r"([\d.]+) x", md)
     assert gb_floor == gb and floor_ms == pytest.approx(gb / bw * 1e3, rel=0.01)
     assert ratio == pytest.approx(whole_ms / floor_ms, rel=0.01) and f"| whole cycle | {whole_ms:.3f} |" in md
+    # time outside the calls: each run's decode time (after its first token) over its calls, against the call's own
+    for name, call_ms in [("eaglet plain", plain["step_ms"]), ("eaglet EAGLE-2", cycle["phases"]["whole cycle"]["ms"])]:
+        run, out = side[name], r["outside_the_graph"][name]
+        assert out["end_to_end_ms_per_call"] == pytest.approx(run["decode_ms"] / run["calls"])
+        assert out["outside_ms_per_call"] == pytest.approx(out["end_to_end_ms_per_call"] - call_ms)
+        assert out["at_call_rate"] == pytest.approx(call_ms / out["end_to_end_ms_per_call"])
+        assert 0 < run["first_token_ms"] < run["decode_ms"] + run["first_token_ms"]
+        assert f"| {name} | {call_ms:.3f} | {out['end_to_end_ms_per_call']:.3f} |" in md
+    assert side["eaglet plain"]["calls"] == setup["side_tokens"] - 1  # every token after the first is one step
+    assert spec["calls"] * spec["tau"] == pytest.approx(setup["side_tokens"] - 1)  # tau: tokens per cycle after it
+    assert 0 < r["host_loop_us"]["plain"] < 1e3 and 0 < r["host_loop_us"]["EAGLE-2"] < 1e3
 
 
 def test_each_run_is_held_to_its_own_limit():
