@@ -115,14 +115,60 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     return token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
 
 
+# EAGLET_GRAPHS=manual: the plain step and the cycle captured by CapturedGraphs instead of torch.compile's CUDA-graph
+# trees (mode="reduce-overhead"), which check and copy their inputs on every call; an A/B until a GPU has measured it.
+MANUAL_GRAPHS = os.environ.get("EAGLET_GRAPHS", "trees") == "manual"
+
+
 def compile_step(step_fn: Callable, device: str):
     """CUDA: fixed shapes captured as a CUDA graph (a plain step's BlockMask keeps its reads to the filled cache
     blocks). CPU: inductor alone, no graph to capture, so the plain step is compiled with dynamic shapes and
     given the filled length as eager code is: one graph for every length, reading the filled slots only (over
     the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md)."""
     if device.startswith("cuda"):
+        if MANUAL_GRAPHS and step_fn in (decode_one_token, speculative_cycle):
+            return CapturedGraphs(torch.compile(step_fn, fullgraph=True))
         return torch.compile(step_fn, mode="reduce-overhead", fullgraph=True)
     return torch.compile(step_fn, fullgraph=True, dynamic=step_fn is decode_one_token)
+
+
+class CapturedGraphs:
+    """A compiled step or cycle replayed as a torch.cuda.CUDAGraph, one per distinct call: per call only the input
+    tensors are copied into the graph's own and the graph is replayed (no guards, no input checks). A call is told
+    apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree, the sampling).
+    The outputs live in the graph's memory, overwritten by the next replay: callers clone them (plain_call,
+    cycle_call, generate_batch do). Capturing runs the call three times first on a side stream (as CUDA graph
+    capture needs); a step or a cycle run again from the same state writes the same K/V, so that is harmless."""
+
+    def __init__(self, compiled: Callable):
+        self.compiled, self.graphs, self.pool = compiled, {}, None
+
+    def __call__(self, *args):
+        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else
+                    repr(a) if isinstance(a, (SamplingConfig, TreeConfig)) else id(a) for a in args)
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(args)
+        inputs, graph, outputs = self.graphs[key]
+        for static, a in zip(inputs, args):
+            if static is not None:
+                static.copy_(a)
+        graph.replay()
+        return outputs
+
+    def capture(self, args):
+        inputs = [a.clone() if isinstance(a, Tensor) else None for a in args]
+        call_args = [a if static is None else static for static, a in zip(inputs, args)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.compiled(*call_args)
+        torch.cuda.current_stream().wait_stream(side)
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.compiled(*call_args)
+        return inputs, graph, outputs
 
 
 def compile_settings(target: Transformer, device: str):
