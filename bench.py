@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
-from cli import PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
+from cli import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ABOVE, PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
 
 SIDE_PROMPT, SIDE_TOKENS = 64, 128  # the side-by-side run: random prompt tokens, tokens generated
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
@@ -78,7 +78,8 @@ def parse_args(argv=None):
                         "of 7 every row drafting, Markov rank 256); its tau means nothing, its cycle's cost does")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
-                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
+                        "default: as generate.py (draft_vocab.json beside the head, else on a target of more than "
+                        f"{DRAFT_VOCAB_ABOVE} ids its {DEFAULT_DRAFT_VOCAB} lowest); 0 or full: the whole vocabulary")
     p.add_argument("--tokenizer", type=Path,
                    help="for --eval: a tokenizer file or folder (default: the checkpoint's folder; --model has none)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
@@ -122,8 +123,8 @@ def parse_args(argv=None):
                     "(python scripts/make_demo.py builds it)")
         args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
         args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
-    if args.draft_vocab not in (None, "full") and not Path(args.draft_vocab).is_file():
-        p.error(f"--draft_vocab {args.draft_vocab}: no such file (full: the whole vocabulary)")
+    if args.draft_vocab not in (None, "full", "0") and not Path(args.draft_vocab).is_file():
+        p.error(f"--draft_vocab {args.draft_vocab}: no such file (0 or full: the whole vocabulary)")
     if args.eval and not args.eval.is_dir():
         p.error(f"--eval {args.eval} is not a folder")
     if args.eval and args.model and not args.tokenizer:
@@ -141,11 +142,11 @@ import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
 from draft import DFlashDraft, DraftHead, DSparkDraft, EagleDraft, head_name as draft_kind  # noqa: E402
-from head_formats import dflash_layer_ids, read_draft_vocab  # noqa: E402
+from head_formats import dflash_layer_ids  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, keep_new, run_calls,
                     speculative_cycle, verify, weight_bytes, weights_format)
-from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, load_draft,  # noqa: E402
+from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, draft_vocab_of, load_draft,  # noqa: E402
                       load_target, pick_device)
 from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
@@ -830,8 +831,10 @@ def load_models(args, device: str, group=None, paths: tuple = ()):
             return target, load_draft(args.draft_checkpoint_path, target, args.draft_vocab)
         draft = random_head(args.random_head, target, device, dtype)
         draft.setup_caches(args.max_seq_length)
-    if args.draft_vocab not in (None, "full"):  # a random head: only a file named by the flag
-        draft.restrict_vocab(target, read_draft_vocab(args.draft_vocab, target.args.vocab_size))
+    if isinstance(draft, EagleDraft):  # a random head: as load_draft, but no folder to hold a draft_vocab.json
+        token_ids, source = draft_vocab_of(args.draft_vocab, None, target.args.vocab_size)
+        if token_ids is not None:
+            draft.restrict_vocab(target, token_ids, source)
     return target, draft
 
 
@@ -852,9 +855,8 @@ def draft_vocab_used(args, target, draft) -> dict:
                 "text": f"the head's own d2t of {draft.vocab_size} (of the target's {n} tokens)"}
     if draft.draft_to_target is None:
         return {"tokens": n, "of": n, "source": "full", "text": f"full vocabulary ({n})"}
-    source = args.draft_vocab or args.draft_checkpoint_path.parent / "draft_vocab.json"  # load_draft's default
-    return {"tokens": draft.vocab_size, "of": n, "source": str(source),
-            "text": f"{draft.vocab_size} of {n} tokens from {source}"}
+    return {"tokens": draft.vocab_size, "of": n, "source": draft.draft_vocab_source,
+            "text": f"{draft.vocab_size} of {n} tokens from {draft.draft_vocab_source}"}
 
 
 def side_prompt(args) -> tuple:

@@ -19,6 +19,11 @@ TREE_GRID = ((3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 3, 16), (6, 4, 32), (6, 10, 60
 CALIBRATION_PROMPTS = (DEMO_PROMPT, "The history of the printing press begins",
                        "Question: why does ice float on water?\nAnswer:")
 CALIBRATION_TOKENS = 64
+# EAGLE-1/2 heads on targets of more than DRAFT_VOCAB_ABOVE ids (LLaMA-3: 128,256; Qwen2/3: 151,936) draft over the
+# DEFAULT_DRAFT_VOCAB lowest ids (head_formats.default_draft_vocab) unless a draft_vocab.json lies beside the head: on
+# LLaMA-3-8B the lm_head a draft pass reads shrinks from 1.05 GB to 0.27 GB; the SmolLM2 head's tau did not move at
+# 32,768 of its 49,152 ids (BENCHMARKS.md).
+DRAFT_VOCAB_ABOVE, DEFAULT_DRAFT_VOCAB = 65536, 32768
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -112,6 +112,7 @@ class EagleDraft(DraftHead):
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
         self.layer = TransformerBlock(args, input_norm=False)
         self.vocab_lm_head = None  # a Linear of some rows of the target's lm_head (a draft vocabulary)
+        self.draft_vocab_source = "full"  # where the draft vocabulary came from, as reports name it
 
     def forward(self, embeds: Tensor, features: Tensor, input_pos: Tensor, cache_slots: Tensor, mask: Tensor):
         """embeds = target embedding of x_{t+1} [1, T, dim], features = f_t [1, T, dim] -> h_t [1, T, dim]."""
@@ -131,11 +132,12 @@ class EagleDraft(DraftHead):
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return target.output if self.vocab_lm_head is None else self.vocab_lm_head
 
-    def restrict_vocab(self, target: Transformer, token_ids: Tensor):
+    def restrict_vocab(self, target: Transformer, token_ids: Tensor, source: str = "given ids"):
         """Score only these target tokens (FR-Spec): the lm_head read per draft pass shrinks with them.
         Its rows stay in the lm_head's format (an int8 lm_head gives int8 rows)."""
         self.draft_to_target = token_ids.to(target.tok_embeddings.weight.device)
         self.vocab_lm_head = linear_rows(target.output, self.draft_to_target)
+        self.draft_vocab_source = source
 
 
 @dataclass(frozen=True)

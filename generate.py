@@ -18,8 +18,8 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from cli import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEMO_PROMPT, PRECISION_NAMES, cli_parser, float_flag,
-                 grid_text, int_flag, torchrun_rank, utf8_text)
+from cli import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, DEFAULT_DRAFT_VOCAB, DEMO_PROMPT, DRAFT_VOCAB_ABOVE,
+                 PRECISION_NAMES, cli_parser, float_flag, grid_text, int_flag, torchrun_rank, utf8_text)
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_MAX_NEW_TOKENS = 60
@@ -61,7 +61,9 @@ def model_flags(p):
                         "speculative decoding")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
-                        "default: draft_vocab.json beside the head if there is one; full: the whole vocabulary")
+                        "default: draft_vocab.json beside the head if there is one, else on a target of more than "
+                        f"{DRAFT_VOCAB_ABOVE} ids its {DEFAULT_DRAFT_VOCAB} lowest (frequent first in a BPE "
+                        "tokenizer); 0 or full: the whole vocabulary. The output is the same either way")
     p.add_argument("--no_draft", action="store_true",
                    help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
     p.add_argument("--depth", type=int_flag(1), default=None,
@@ -217,7 +219,7 @@ from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settin
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
-from head_formats import check_target_copies, head_config, load_head, read_draft_vocab  # noqa: E402
+from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -256,28 +258,45 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
     return model
 
 
-def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None) -> DraftHead:
+def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None, keep_ids=()) -> DraftHead:
     """An EAGLE-1/2, EAGLE-3, DFlash or DSpark head for this target, on its device and in its dtype, with a cache as long as
     the target's (if that has one yet). The target is set to return the features the head reads.
-    draft_vocab: a file of the target ids an EAGLE-1/2 head may propose; by default draft_vocab.json
-    beside the head, if there is one ("full": the whole vocabulary)."""
+    draft_vocab: the target ids an EAGLE-1/2 head may propose (draft_vocab_of; "0" or "full": all of them);
+    keep_ids (the EOS tokens) join the default draft vocabulary."""
     checkpoint_path = converted_file(checkpoint_path, "draft.pth")
     weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
     draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
     check_target_copies(draft, target)
     target.set_feature_layers(draft.feature_layers)
-    beside = Path(checkpoint_path).parent / "draft_vocab.json"
-    if draft_vocab is None and isinstance(draft, EagleDraft) and beside.is_file():
-        draft_vocab = beside
-    if draft_vocab is not None and str(draft_vocab) != "full":
-        if not isinstance(draft, EagleDraft):
+    if not isinstance(draft, EagleDraft):
+        if str(draft_vocab) not in ("None", "full", "0"):
             raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {why_no_draft_vocab(draft)}")
-        draft.restrict_vocab(target, read_draft_vocab(draft_vocab, target.args.vocab_size))
-        if log:
-            log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft_vocab}")
+    else:
+        token_ids, source = draft_vocab_of(draft_vocab, Path(checkpoint_path).parent, target.args.vocab_size, keep_ids)
+        if token_ids is not None:
+            draft.restrict_vocab(target, token_ids, source)
+            if log:
+                log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft.draft_vocab_source}")
     if target.max_seq_length:
         draft.setup_caches(target.max_seq_length)
     return draft
+
+
+def draft_vocab_of(draft_vocab, head_dir: Optional[Path], vocab_size: int, keep_ids=()) -> tuple:
+    """(the target ids an EAGLE-1/2 head drafts over, None for all; where they come from). The file draft_vocab names;
+    else draft_vocab.json beside the head; else, on a target of more than DRAFT_VOCAB_ABOVE ids, the
+    DEFAULT_DRAFT_VOCAB lowest ids with keep_ids (head_formats.default_draft_vocab: most frequent first, roughly, in a
+    BPE tokenizer); else all. The target verifies over every id whatever the draft proposes: the output is the same."""
+    if str(draft_vocab) in ("full", "0"):
+        return None, "full"
+    if draft_vocab is None and head_dir is not None and (head_dir / "draft_vocab.json").is_file():
+        draft_vocab = head_dir / "draft_vocab.json"
+    if draft_vocab is not None:
+        return read_draft_vocab(draft_vocab, vocab_size), str(draft_vocab)
+    if vocab_size > DRAFT_VOCAB_ABOVE:
+        return (default_draft_vocab(vocab_size, keep_ids, DEFAULT_DRAFT_VOCAB),
+                f"the {DEFAULT_DRAFT_VOCAB} lowest ids (the default over {DRAFT_VOCAB_ABOVE}; --draft_vocab 0: all)")
+    return None, "full"
 
 
 def why_no_draft_vocab(draft: DraftHead) -> str:
@@ -392,12 +411,12 @@ def load(args, group=None):
     if args.draft_checkpoint_path:
         args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
     model = load_target(args.checkpoint_path, args.device, args.precision, group=group)
-    draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print) \
+    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template, args.chat_template_kwargs)
+    draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print, keep_ids=tokenizer.eos_ids) \
         if args.draft_checkpoint_path else None
     set_confidence(draft, args.confidence)
     if draft is not None:
         sampling, tree = configs(args, draft)
-    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template, args.chat_template_kwargs)
     check_tokenizer(tokenizer, model)
     if args.chat or args.interactive:
         print(f"chat template: {tokenizer.chat_template_source}")

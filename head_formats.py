@@ -382,12 +382,6 @@ def is_dflash_config(config: dict) -> bool:
         any("DFlash" in str(a) or "DSpark" in str(a) for a in config.get("architectures") or [])
 
 
-# EAGLE-1/2 heads on targets of more than DRAFT_VOCAB_ABOVE ids (LLaMA-3: 128,256; Qwen2/3: 151,936) draft over the
-# DEFAULT_DRAFT_VOCAB lowest ids (default_draft_vocab) unless a draft_vocab.json lies beside the head: on LLaMA-3-8B
-# the lm_head a draft pass reads shrinks from 1.05 GB to 0.27 GB (BENCHMARKS.md: the tau this keeps, measured).
-DRAFT_VOCAB_ABOVE, DEFAULT_DRAFT_VOCAB = 65536, 32768
-
-
 def default_draft_vocab(vocab_size: int, keep_ids, size: int) -> Tensor:
     """The size lowest token ids, with keep_ids (the EOS tokens) in place of the highest of them where they lie above.
     A byte-level BPE tokenizer (LLaMA-3, Qwen, Mistral's Tekken, SmolLM2) numbers its tokens in the order it

@@ -83,7 +83,8 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
     import bench
     import decode
     from decode import SamplingConfig, TreeConfig, generate
-    from head_formats import DEFAULT_DRAFT_VOCAB, default_draft_vocab
+    from cli import DEFAULT_DRAFT_VOCAB
+    from head_formats import default_draft_vocab
     speculative, graphs, vocab, split = ROWS[name]
     GREEDY = SamplingConfig()
     decode.MANUAL_GRAPHS, attention.SPLIT_ATTENTION = graphs == "manual", split

@@ -106,3 +106,33 @@ def test_script_writes_the_most_frequent_tokens(tmp_path, capsys):
                  "no such file or folder", main=script.main)
     expect_error(["--tokenizer", str(tmp_path), "--data", str(text), "--out", str(tmp_path / "no" / "v.json")],
                  "no folder", main=script.main)
+
+
+def test_default_draft_vocabulary_is_the_lowest_ids_with_the_eos_tokens():
+    from head_formats import default_draft_vocab
+    ids = default_draft_vocab(128256, keep_ids=(128001, 128009, 7), size=32768)
+    assert len(ids) == 32768 and ids.unique().numel() == 32768
+    assert ids[:-2].tolist() == list(range(32766)) and ids[-2:].tolist() == [128001, 128009]  # 7 is among the lowest
+    assert default_draft_vocab(1000, (999,), 32768).tolist() == list(range(1000))  # a small vocabulary: all of it
+
+
+def test_a_large_vocabulary_gets_the_default_draft_vocabulary(pair, monkeypatch, capsys):
+    """Above DRAFT_VOCAB_ABOVE ids and with no draft_vocab.json beside the head, an EAGLE-1/2 head drafts over the
+    DEFAULT_DRAFT_VOCAB lowest ids and the EOS tokens; the output is plain decoding's; --draft_vocab 0 keeps all.
+    (The 64-token pair stands in for a 128k vocabulary: the thresholds scaled down with it.)"""
+    target_dir, head_dir, _ = pair
+    monkeypatch.setattr(generate, "DRAFT_VOCAB_ABOVE", 32)
+    monkeypatch.setattr(generate, "DEFAULT_DRAFT_VOCAB", 40)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
+    draft = load_draft(head_dir / "draft.pth", model, keep_ids=(60,))
+    assert draft.draft_to_target.tolist() == list(range(39)) + [60]
+    assert draft.draft_vocab_source.startswith("the 40 lowest ids")
+    tau = run(model, draft, PROMPTS)  # run() checks every output against plain decoding
+    assert 1.0 < tau < 8.0
+    assert load_draft(head_dir / "draft.pth", model, "0").draft_to_target is None
+    base = ["--checkpoint_path", str(target_dir / "model.pth"), "--device", "cpu", "--prompt", "w5",
+            "--max_new_tokens", "8", "--draft_checkpoint_path", str(head_dir / "draft.pth")]
+    generate.main(base)
+    assert "draft vocabulary: 40 of 64 tokens, from the 40 lowest ids (the default over 32" in capsys.readouterr().out
+    generate.main(base + ["--draft_vocab", "0"])
+    assert "draft vocabulary" not in capsys.readouterr().out
