@@ -352,11 +352,12 @@ def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
     return {"plain_step": weight_bytes(target) + kv, "cycle": cycle_weight_bytes(target, draft, tree) + kv}
 
 
-def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s, copy_bw) -> dict:
-    """One cycle at a fixed state, phase by phase and whole, in ms and in plain decoding steps."""
+def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s, copy_bw, phases: bool = True) -> dict:
+    """One cycle at a fixed state, phase by phase (unless phases is False: each phase is one more graph to compile)
+    and whole, in ms and in plain decoding steps."""
     device = target.output.weight.device
     wrap = (lambda f: compile_step(f, str(device))) if compile_ else (lambda f: f)
-    levels = tree.levels
+    levels, keep_phases = tree.levels, phases
     root, ctx_len, h_last = start_state(target, draft)
     with torch.no_grad():
         t = tree.expand(target, draft, root, ctx_len, h_last)
@@ -370,7 +371,7 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
             "whole cycle": (wrap(speculative_cycle), (target, draft, root, ctx_len, h_last, tree, GREEDY)),
         }
         rows = {}
-        for name, (fn, args) in phases.items():
+        for name, (fn, args) in (phases.items() if keep_phases else [("whole cycle", phases["whole cycle"])]):
             seconds, recompiles = timed(lambda: fn(*args), repeats, device)
             rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s,
                           "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}

@@ -219,6 +219,8 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     dflash = results["small-test bf16 DFlash cycle (random head, published shape)"]  # the first format only
     assert dflash["block_size"] == 16 and dflash["layers"] == 5 and len(dflash["feature_layers"]) == 5
     assert dflash["chain"]["draft_passes"] == 1 and dflash["tree"]["phases"]["whole cycle"]["ms"] > 0
+    # a phase table (five graphs to compile on a GPU) for the first configuration only, the whole cycle for the rest
+    assert "verify" in dflash["chain"]["phases"] and set(dflash["tree"]["phases"]) == {"whole cycle"}
     demo = results["small-test bf16 DFlash end to end (inflated demo)"]  # the demo's DFlash head: real acceptance
     for tree in ("chain 8", "tree 16"):
         assert demo[tree]["same_tokens_as_plain"] and demo[tree]["tau"] > 1.3, (tree, demo[tree])
