@@ -278,15 +278,20 @@ RUN_AHEAD = os.environ.get("EAGLET_RUN_AHEAD", "1") != "0"
 def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
              draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
-             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None) -> GenerationResult:
+             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
+             constraint=None, first_pick: Optional[Callable] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
     decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
     step; if it returns a number, that many of them are kept and generation ends (stop strings).
     run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
-    (see run_calls).
+    (see run_calls). constraint (grammar.Constraint): structured output, exact under speculation
+    (generate_constrained).
     """
+    if constraint is not None:
+        return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
+                                    on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead)
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
@@ -298,7 +303,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
     first = max(start_pos - 1, 0) if draft else start_pos
     logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
-    token = sample(logits, sampling)[0]  # 0-d, the shape every later root has too
+    token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
     tokens, accept_lengths = [], []
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
     done = emit([token.item()])
@@ -318,6 +323,37 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)
     return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds)
+
+
+def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
+                         constraint, eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
+                         **kwargs) -> GenerationResult:
+    """generate() under a grammar, in segments. A segment's tokens go through constraint.take; at the first one the
+    grammar refuses, the segment ends with the tokens before it. The next segment starts from every kept token (the
+    caches hold them: its prefill re-runs the last one, as a chat turn's reuse does) and its first token is
+    constraint.pick of that prefill's logits -- the refused position's -- the masked pick. Drafts the grammar
+    refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here."""
+    prompt_tokens, tokens, accept_lengths = one_prompt(prompt_tokens), [], []
+    t0, first_token_seconds = time.perf_counter(), None
+    while True:
+        cut, stopped = [False], [False]
+
+        def take(new: list):
+            n = constraint.take(new)
+            finished = constraint.done()  # the grammar is complete (it took an EOS or allows nothing more)
+            cut[0] = n < len(new) and not finished
+            keep = on_tokens(new[:n]) if on_tokens else None
+            stopped[0] = keep is not None or finished
+            return keep if keep is not None else (n if cut[0] or finished else None)
+        context = prompt_tokens + tokens
+        segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
+                           first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
+        first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
+        tokens += segment.tokens
+        accept_lengths += segment.accept_lengths
+        if not cut[0] or stopped[0] or len(tokens) >= max_new_tokens or (tokens and tokens[-1] in eos_ids):
+            return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds)
+        start_pos = len(context) + len(segment.tokens) - 1
 
 
 def plain_call(model, sampling, step_fn, state, filled: int):

@@ -147,6 +147,11 @@ def parse_args(argv=None):
     p.add_argument("--stop", type=utf8_text, action="append", default=None,
                    help="end the reply where this text appears, cut before it (repeatable)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat in the terminal")
+    p.add_argument("--json_schema", type=Path, default=None,
+                   help="structured output: the reply is JSON valid under this JSON schema file (llguidance; exact "
+                        "under speculation: the target's own distribution restricted to what the schema allows)")
+    p.add_argument("--regex", type=utf8_text, default=None, help="structured output: the reply matches this regular "
+                                                                 "expression (as --json_schema)")
     p.add_argument("--json_out", type=Path, default=None,
                    help="write the prompt's tokens and each sample's tokens, text, tokens/s, accept lengths and tau "
                         "as JSON, with their means (several prompts: a list of such objects)")
@@ -176,6 +181,11 @@ def parse_args(argv=None):
         p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
     args.prompts = args.prompts or [DEMO_PROMPT]
     args.prompt = args.prompts[0]
+    if (args.json_schema or args.regex) and (args.interactive or len(args.prompts) > 1):
+        p.error(f"--{'json_schema' if args.json_schema else 'regex'} constrains one reply: give one --prompt "
+                "(not --interactive or several prompts)")
+    if args.json_schema and args.regex:
+        p.error("give --json_schema or --regex, not both")
     args.max_new_tokens = args.max_new_tokens or (DEMO_MAX_NEW_TOKENS if args.demo else 200)
     return args
 
@@ -244,6 +254,29 @@ def pick_device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise EagletError("--device cuda was asked for but no CUDA device is available")
     return name
+
+
+def grammar_flag(args) -> Optional[str]:
+    """--json_schema's file or --regex as a grammar, checked before anything is loaded (None: neither given)."""
+    if args.json_schema is None and args.regex is None:
+        return None
+    from grammar import grammar_of  # llguidance is needed only here
+    if args.regex is not None:
+        return grammar_of("regex", args.regex)
+    try:
+        schema = json.loads(args.json_schema.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise EagletError(f"--json_schema {args.json_schema}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    except json.JSONDecodeError as e:
+        raise EagletError(f"--json_schema {args.json_schema}: not JSON ({e.msg}, line {e.lineno})")
+    if not isinstance(schema, dict):
+        raise EagletError(f"--json_schema {args.json_schema}: a schema is a JSON object")
+    return grammar_of("json_schema", json.dumps(schema))
+
+
+def constrained(gen, tokenizer: Tokenizer, n_vocab: int, grammar: str):
+    from grammar import Constraint
+    return lambda *a, **k: gen(*a, constraint=Constraint(tokenizer, n_vocab, grammar), **k)
 
 
 def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0, group=None) -> Transformer:
@@ -502,6 +535,7 @@ def main(argv=None):
     try:
         args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+        args.grammar = grammar_flag(args)
         group = tp.start(args.device)
         model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, load, args, group)
         fewest = tp.smallest(group, rows)
@@ -520,6 +554,8 @@ def main(argv=None):
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
                       step_fn=step_fn)
+        if getattr(args, "grammar", None):  # a fresh grammar state for every generation (warm-up and samples)
+            gen = constrained(gen, tokenizer, model.args.vocab_size, args.grammar)
         show = partial(report, model=model, device=args.device, draft=draft, tree=tree)
         if args.interactive:
             scratch = tree.scratch if draft is not None else 0

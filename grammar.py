@@ -1,0 +1,154 @@
+"""Structured output: a JSON schema, JSON mode, a regular expression or a Lark grammar, kept exactly under speculation.
+
+The grammar engine is llguidance (the one vLLM and llama.cpp use): it compiles the grammar against the target's
+tokenizer and says, token by token, which tokens may come next. The rule that keeps decoding exact: at every
+position the constrained distribution is the target's own, restricted to the tokens the grammar allows and
+renormalised. So the speculative cycle runs as it always does; its emitted tokens are walked through the
+grammar on the host, and at the first one the grammar refuses the path is cut (decode.generate ends its segment
+there and starts the next from the kept tokens, whose prefill gives that position's logits). The pick at a position
+(Constraint.pick): the target's own pick if the grammar allows it; if not, greedy takes the masked argmax and
+sampling a fresh draw from the restricted distribution. A draw from the whole distribution kept when allowed and
+otherwise replaced by a draw from the restricted one is distributed as the restricted one: p(x) + p(refused) p(x) /
+p(allowed) = p(x) / p(allowed).
+"""
+import json
+from functools import lru_cache
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from checkpoint import EagletError
+from decode import SamplingConfig, logits_to_probs, sample, sample_from_probs
+from tokenizer import Tokenizer
+
+
+def llguidance():
+    try:
+        import llguidance as module
+    except ImportError:
+        raise EagletError("structured output needs the llguidance package: pip install llguidance")
+    return module
+
+
+class SentencePieceTokens:
+    """A sentencepiece model as llguidance's TokenizerWrapper reads one: every id's bytes, and an encoder."""
+
+    def __init__(self, sp, n_vocab: int, eos_id: int):
+        self.sp, self.eos_token_id, self.bos_token_id = sp, eos_id, sp.bos_id()
+        self.tokens = [self.piece_bytes(i) if i < sp.get_piece_size() else b"" for i in range(n_vocab)]
+        self.special_token_ids = [i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+
+    def piece_bytes(self, i: int) -> bytes:
+        piece = self.sp.id_to_piece(i)
+        if self.sp.is_byte(i):  # <0x0A>
+            return bytes([int(piece[3:5], 16)])
+        if self.sp.is_control(i) or self.sp.is_unknown(i):
+            return b""
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def __call__(self, text: str) -> list:
+        return self.sp.encode(text)
+
+
+@lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int):
+    """The tokenizer as llguidance needs it (building it reads every token: done once per tokenizer)."""
+    ll = llguidance()
+    eos = sorted(tokenizer.eos_ids)
+    if tokenizer.hf is not None:
+        return ll.LLTokenizer(tokenizer.hf.to_str(), n_vocab=n_vocab, eos_token=eos or None)
+    wrapper = ll.TokenizerWrapper(SentencePieceTokens(tokenizer.sp, n_vocab, eos[0] if eos else tokenizer.sp.eos_id()))
+    return ll.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos or None)
+
+
+def grammar_of(kind: str, value, strict: bool = False) -> str:
+    """llguidance's grammar for a json_schema (a dict), json_object, regex or lark (a string); EagletError when it
+    cannot be compiled. strict: a schema keyword the engine would ignore is refused rather than loosened."""
+    ll = llguidance()
+    try:
+        if kind in ("json_schema", "json_object"):  # JSON as json.dumps writes it: no runs of whitespace to wander in
+            schema = value if kind == "json_schema" else {"type": "object"}
+            grammar = ll.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        elif kind == "regex":
+            grammar = ll.LLMatcher.grammar_from_regex(value)
+        elif kind == "lark":
+            grammar = ll.LLMatcher.grammar_from_lark(value)
+        else:
+            raise EagletError(f"unknown grammar kind {kind!r}")
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise EagletError(f"the {kind} cannot be compiled: {one_line(str(e))}")
+    is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error or (strict and messages):
+        raise EagletError(f"the {kind} cannot be compiled{' strictly' if not is_error else ''}: "
+                          f"{one_line('; '.join(messages))}")
+    return grammar
+
+
+def one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class Constraint:
+    """One generation's grammar state: which tokens may come next, the tokens it has taken, and the pick."""
+
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, grammar: str):
+        ll = llguidance()
+        self.n_vocab = n_vocab
+        self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise EagletError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.cuts = 0  # positions where the target's pick was refused and the masked pick taken
+
+    def allowed(self, device) -> Tensor:
+        """bool [n_vocab]: the tokens the grammar allows next."""
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        bits = (words[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # little-endian words: bit i = token i
+        return bits.flatten()[:self.n_vocab].bool().to(device)
+
+    def take(self, tokens: list) -> int:
+        """Advance over the longest prefix of tokens the grammar allows; how many that is."""
+        n = self.matcher.validate_tokens(tokens) if tokens else 0
+        if n and not self.matcher.consume_tokens(tokens[:n]):
+            raise EagletError(f"the grammar engine refused tokens it had allowed: {self.matcher.get_error()}")
+        return n
+
+    def pick(self, logits: Tensor, sampling: SamplingConfig) -> Tensor:
+        """The next token at a position whose logits [V] are given: the target's pick if allowed, else the masked one."""
+        token = sample(logits, sampling)
+        if self.matcher.validate_tokens([int(token)]) == 1:
+            return token
+        self.cuts += 1
+        allowed = self.allowed(logits.device)
+        if not bool(allowed.any()):
+            raise EagletError("the grammar allows no token here (the grammar engine's state is "
+                              f"{self.matcher.get_error() or 'stopped'})")
+        if sampling.temperature == 0:
+            return logits.float().masked_fill(~allowed, float("-inf")).argmax(-1)
+        probs = logits_to_probs(logits, sampling) * allowed
+        if float(probs.sum()) == 0:  # top-k / top-p left no allowed token: the temperature's distribution, restricted
+            probs = logits_to_probs(logits, SamplingConfig(sampling.temperature)) * allowed
+        return sample_from_probs(probs / probs.sum())
+
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def response_format_grammar(response_format) -> Optional[str]:
+    """OpenAI's response_format as a grammar (None for text); EagletError names what is wrong."""
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise EagletError('response_format must be an object with a "type"')
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return grammar_of("json_object", None)
+    if kind != "json_schema":
+        raise EagletError(f"response_format type {kind!r} is not text, json_object or json_schema")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise EagletError('response_format json_schema must be an object holding "name" and a "schema" object')
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise EagletError('response_format json_schema needs a "name"')
+    schema = spec.get("schema", {})
+    return grammar_of("json_schema", json.dumps(schema), strict=spec.get("strict") is True)
