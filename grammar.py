@@ -106,17 +106,27 @@ class Constraint:
         bits = (words[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # little-endian words: bit i = token i
         return bits.flatten()[:self.n_vocab].bool().to(device)
 
+    def allows(self, token: int) -> bool:
+        """Whether token is in the grammar's mask here. The mask, not validate_tokens, is what "allowed" means
+        everywhere (the check and the masked pick must restrict to one set, or the law is neither restriction):
+        llguidance's mask keeps a forced text to its canonical tokens, where validate_tokens would also take
+        another spelling of it (four spaces then "return" for "    return")."""
+        mask = self.matcher.compute_bitmask()
+        return 0 <= token < self.n_vocab and bool(mask[token >> 3] >> (token & 7) & 1)
+
     def take(self, tokens: list) -> int:
         """Advance over the longest prefix of tokens the grammar allows; how many that is."""
-        n = self.matcher.validate_tokens(tokens) if tokens else 0
-        if n and not self.matcher.consume_tokens(tokens[:n]):
-            raise EagletError(f"the grammar engine refused tokens it had allowed: {self.matcher.get_error()}")
-        return n
+        for n, token in enumerate(tokens):
+            if not self.allows(token):
+                return n
+            if not self.matcher.consume_token(token):
+                raise EagletError(f"the grammar engine refused a token its mask allowed: {self.matcher.get_error()}")
+        return len(tokens)
 
     def pick(self, logits: Tensor, sampling: SamplingConfig) -> Tensor:
         """The next token at a position whose logits [V] are given: the target's pick if allowed, else the masked one."""
         token = sample(logits, sampling)
-        if self.matcher.validate_tokens([int(token)]) == 1:
+        if self.allows(int(token)):
             return token
         self.cuts += 1
         allowed = self.allowed(logits.device)

@@ -42,10 +42,11 @@ MAX_BODY = 1 << 20  # bytes of a request body
 REFUSED = {"n": "n > 1 (one reply a request)", "logprobs": "logprobs", "top_logprobs": "logprobs",
            "tools": "tools", "tool_choice": "tools", "functions": "functions", "function_call": "functions",
            "best_of": "best_of > 1", "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
-           "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty",
-           "response_format": "response_format"}
+           "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty"}
 HARMLESS = {"n": 1, "best_of": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
-            "tools": [], "logit_bias": {}, "response_format": {"type": "text"}}
+            "tools": [], "logit_bias": {}}
+# structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex)
+GRAMMAR_FIELDS = ("response_format", "guided_json", "regex", "guided_regex", "grammar", "guided_grammar")
 
 
 class ApiError(Exception):
@@ -73,6 +74,7 @@ class Job:
     reuse: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    constraint: Optional[object] = None  # grammar.Constraint: structured output
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
@@ -86,7 +88,9 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                                          "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0}
+                                          "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0,
+                                          "constrained": 0, "constrained_cycles": 0, "constrained_emitted": 0,
+                                          "grammar_cuts": 0}
 
     def count(self, outcome: Optional[str], **values):
         with self.lock:
@@ -106,6 +110,13 @@ class Metrics:
                       "# TYPE eaglet_cycles_total counter", f"eaglet_cycles_total {v['cycles']}",
                       "# HELP eaglet_mean_tau tokens a cycle emits, over all cycles", "# TYPE eaglet_mean_tau gauge",
                       f"eaglet_mean_tau {v['emitted'] / v['cycles'] if v['cycles'] else 0:.4f}",
+                      "# TYPE eaglet_constrained_requests_total counter",
+                      f"eaglet_constrained_requests_total {v['constrained']}",
+                      "# HELP eaglet_constrained_mean_tau tokens a cycle emits under a grammar, over those cycles",
+                      "# TYPE eaglet_constrained_mean_tau gauge", "eaglet_constrained_mean_tau "
+                      f"{v['constrained_emitted'] / v['constrained_cycles'] if v['constrained_cycles'] else 0:.4f}",
+                      "# HELP eaglet_grammar_cuts_total positions where the grammar refused the target's pick",
+                      "# TYPE eaglet_grammar_cuts_total counter", f"eaglet_grammar_cuts_total {v['grammar_cuts']}",
                       "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
                       "# TYPE eaglet_request_seconds_total counter", f"eaglet_request_seconds_total {v['seconds']:.4f}"]
             return "\n".join(lines) + "\n"
@@ -201,6 +212,9 @@ class Engine:
         self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
                            completion_tokens=len(result.tokens), cached_tokens=cached, cycles=cycles,
                            emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
+        if job.constraint is not None:
+            self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
+                               grammar_cuts=job.constraint.cuts)
         job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
             "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
             "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": cached}},
@@ -219,7 +233,8 @@ class Engine:
             torch.seed()
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
-        result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens)
+        result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
+                          constraint=job.constraint)
         if not job.cancelled.is_set():
             self.cached = job.prompt + result.tokens[:-1]  # the last token was sampled but never fed back
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)
@@ -244,14 +259,15 @@ class Engine:
         A job that cannot join (it samples) waits for the next turn, first in line."""
         job = self.held.pop(0) if self.held else self.jobs.get()
         batch = [job]
-        while self.max_batch > 1 and job.sampling.temperature == 0 and len(batch) < self.max_batch:
+        batchable = lambda j: j.sampling.temperature == 0 and j.constraint is None  # noqa: E731 (a grammar runs alone)
+        while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
             try:
                 other = self.held.pop(0) if self.held else self.jobs.get_nowait()
             except queue.Empty:
                 break
             fits = max(len(j.prompt) for j in batch + [other]) + max(j.max_tokens for j in batch + [other]) \
                 + self.scratch <= self.model.max_seq_length  # generate_batch gives every row the longest reply
-            (batch if other.sampling.temperature == 0 and fits else self.held).append(other)
+            (batch if batchable(other) and fits else self.held).append(other)
             if self.held:
                 break
         return batch
@@ -412,8 +428,37 @@ class Server:
             raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
         reuse = body.get("cache_prompt", True)
         loop = asyncio.get_running_loop()
-        job = Job(prompt, max_tokens or room, sampling, seed, stop, reuse is not False, loop, asyncio.Queue())
+        job = Job(prompt, max_tokens or room, sampling, seed, stop, reuse is not False, loop, asyncio.Queue(),
+                  self.constraint_of(body))
         return job, stream, bool(options.get("include_usage"))
+
+    def constraint_of(self, body: dict):
+        """The request's grammar as a fresh grammar.Constraint (None: free text); 400 naming the field and the
+        grammar engine's reason when it cannot be compiled."""
+        given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
+                 and body[name] != {"type": "text"}]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+        name, value = given[0], body[given[0]]
+        try:
+            from grammar import Constraint, grammar_of, response_format_grammar
+            if name == "response_format":
+                grammar = response_format_grammar(value)
+            elif name == "guided_json":
+                if not isinstance(value, (dict, str)):
+                    raise EagletError("guided_json must be a JSON schema (an object or its text)")
+                grammar = grammar_of("json_schema", value if isinstance(value, str) else json.dumps(value))
+            elif not isinstance(value, str) or not value:
+                raise EagletError(f"{name} must be a non-empty string")
+            else:
+                grammar = grammar_of("regex" if name.endswith("regex") else "lark", value)
+            if grammar is None:  # response_format text
+                return None
+            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+        except EagletError as e:
+            raise ApiError(400, str(e), name, "invalid_grammar")
 
     async def chunks(self, job: Job, head: dict, chat: bool, usage_in_stream: bool):
         """Server-sent events: one chunk per cycle, a last one with finish_reason, usage if asked, [DONE]. Leaving

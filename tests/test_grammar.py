@@ -1,0 +1,160 @@
+"""Structured output (grammar.py, llguidance): every reply is valid under its schema, regex or grammar; constrained
+speculative decoding gives constrained plain decoding's tokens (greedy) for every head kind, compiled too; sampling
+follows the target's distribution restricted to what the grammar allows (chi-square); bad grammars are refused
+by name, in generate.py and in serve.py."""
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance", reason="structured output's grammar engine: pip install llguidance")
+jsonschema = pytest.importorskip("jsonschema", reason="validates the replies: pip install jsonschema")
+
+import generate  # noqa: E402
+from conftest import ROOT, expect_error  # noqa: E402
+from decode import SamplingConfig, TreeConfig, logits_to_probs, prefill  # noqa: E402
+from grammar import Constraint, grammar_of, response_format_grammar  # noqa: E402
+from model import EagletError  # noqa: E402
+from test_sampling import chi_square_p_below  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+DEMO = ROOT / "demo"
+GREEDY = SamplingConfig()
+PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def push(self, item):"]
+SCHEMAS = [  # nested objects, arrays, enums, numbers, required fields (numbers
+    # bounded: the demo's code model, left free inside a number, repeats a digit to the end of its budget)
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": -99,
+                                                                                          "maximum": 999}},
+     "required": ["name", "count"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"enum": ["file", "dir", "link"]}, "size": {"type": "integer", "minimum": 0,
+                                                                                     "maximum": 4096}},
+     "required": ["kind", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {"owner": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999}, "admin": {"type": "boolean"}},
+        "required": ["id", "admin"], "additionalProperties": False}}, "required": ["owner"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    tokenizer = Tokenizer(DEMO / "target")
+    heads = {name: generate.load_draft(DEMO / name / "draft.pth", target) for name in ("head", "head3", "dflash", "dspark")}
+    target.set_feature_layers(heads["head"].feature_layers)
+    return target, tokenizer, heads
+
+
+def run(target, tokenizer, prompt: str, grammar: str, sampling=GREEDY, head=None, tree=None, n=64, **kwargs):
+    if head is not None:
+        target.set_feature_layers(head.feature_layers)
+    constraint = Constraint(tokenizer, target.args.vocab_size, grammar)
+    result = generate.generate(target, tokenizer.encode(prompt), n, sampling, tokenizer.eos_ids, draft=head,
+                               tree=tree, constraint=constraint, **kwargs)
+    return result, constraint
+
+
+@pytest.mark.parametrize("schema", range(len(SCHEMAS)))
+def test_every_reply_is_valid_and_speculative_equals_plain(demo, schema):
+    target, tokenizer, heads = demo
+    grammar = grammar_of("json_schema", json.dumps(SCHEMAS[schema]))
+    for prompt in PROMPTS:
+        plain, plain_state = run(target, tokenizer, prompt, grammar)
+        spec, spec_state = run(target, tokenizer, prompt, grammar, head=heads["head"], tree=TreeConfig(6, 10, 60))
+        assert spec.tokens == plain.tokens
+        assert plain_state.done() and spec_state.done() and plain_state.cuts > 0  # the grammar did steer it
+        jsonschema.validate(json.loads(tokenizer.decode(spec.tokens)), SCHEMAS[schema])
+
+
+@pytest.mark.parametrize("head, tree", [("head3", TreeConfig(7, 10, 60)), ("dflash", TreeConfig(6, 1, 8)),
+                                        ("dflash", TreeConfig(6, 4, 16)), ("dspark", TreeConfig(6, 1, 8)),
+                                        ("dspark", TreeConfig(6, 4, 16))])
+def test_every_head_kind_keeps_constrained_plain_tokens(demo, head, tree):
+    target, tokenizer, heads = demo
+    grammar = grammar_of("json_schema", json.dumps(SCHEMAS[0]))
+    target.set_feature_layers(heads[head].feature_layers)
+    plain, _ = run(target, tokenizer, PROMPTS[0], grammar)
+    spec, _ = run(target, tokenizer, PROMPTS[0], grammar, head=heads[head], tree=tree)
+    assert spec.tokens == plain.tokens and json.loads(tokenizer.decode(spec.tokens))["name"] is not None
+
+
+def test_regex_and_lark_grammars(demo):
+    target, tokenizer, heads = demo
+    for kind, text, check in [("regex", r"    return \[[a-z_]+( [a-z_]+)*\]\n", r"    return \[[a-z_]+( [a-z_]+)*\]\n"),
+                              ("lark", 'start: "    with open(" NAME ") as f:\\n"\nNAME: /[a-z_]+/', None)]:
+        grammar = grammar_of(kind, text)
+        plain, _ = run(target, tokenizer, PROMPTS[0], grammar)
+        spec, _ = run(target, tokenizer, PROMPTS[0], grammar, head=heads["head"], tree=TreeConfig(6, 10, 60))
+        out = tokenizer.decode(spec.tokens)
+        assert spec.tokens == plain.tokens
+        assert out.startswith("    return [" if kind == "regex" else "    with open(") and out.endswith("\n")
+
+
+def test_compiled_cycle_and_running_ahead_keep_the_tokens(demo):
+    target, tokenizer, heads = demo
+    grammar = grammar_of("json_schema", json.dumps(SCHEMAS[1]))
+    target.set_feature_layers(heads["head"].feature_layers)
+    plain, _ = run(target, tokenizer, PROMPTS[1], grammar)
+    step = generate.compile_step(generate.speculative_cycle, "cpu")
+    for ahead in (False, True):
+        spec, _ = run(target, tokenizer, PROMPTS[1], grammar, head=heads["head"], tree=TreeConfig(6, 10, 60),
+                      step_fn=step, run_ahead=ahead)
+        assert spec.tokens == plain.tokens
+
+
+def test_sampling_follows_the_restricted_distribution(demo):
+    """The second token under a grammar that forces the first: its law is the target's (temperature 1) restricted to
+    the tokens the grammar allows there and renormalised, whether the cycle's own draw was allowed or replaced."""
+    target, tokenizer, heads = demo
+    grammar = grammar_of("regex", r"    return (path|lines|line|f|data|result|[a-z])\n")
+    prompt, sampling = tokenizer.encode(PROMPTS[0]), SamplingConfig(temperature=1.0)
+    state = Constraint(tokenizer, target.args.vocab_size, grammar)
+    forced = state.pick(torch.zeros(target.args.vocab_size), GREEDY)  # the one token allowed first ("    return")
+    assert state.allowed("cpu").sum() == 1 and state.take([int(forced)]) == 1
+    with torch.no_grad():
+        target.setup_caches(1, 512)
+        logits, _ = prefill(target, torch.tensor([prompt + [int(forced)]]), 0)
+    probs = logits_to_probs(logits[0], sampling) * state.allowed("cpu")
+    exact = {t: float(p) for t, p in enumerate(probs / probs.sum()) if p > 0}
+    assert len(exact) > 3 and sum(p for p in logits_to_probs(logits[0], sampling)[list(exact)]) < 0.9  # it restricts
+    counts = Counter()
+    torch.manual_seed(0)
+    for _ in range(300):
+        result, _ = run(target, tokenizer, PROMPTS[0], grammar, sampling, head=heads["head"], tree=TreeConfig(3, 4, 8),
+                        n=2)
+        assert result.tokens[0] == int(forced)
+        counts[result.tokens[1]] += 1
+    assert not chi_square_p_below(counts, exact)
+
+
+def test_bad_grammars_are_refused_by_name():
+    for kind, value, message in [("json_schema", '{"type": "foo"}', "Invalid type: foo"),
+                                 ("regex", "([", "unclosed character class"),
+                                 ("lark", "start: foo", 'unknown name: "foo"')]:
+        with pytest.raises(EagletError, match=f"the {kind} cannot be compiled: .*{message}"):
+            grammar_of(kind, value)
+    for response_format, message in [({"type": "json_schema"}, 'holding "name"'), ({"type": "xml"}, "'xml' is not"),
+                                     ("json", 'an object with a "type"'),
+                                     ({"type": "json_schema", "json_schema": {"schema": {}}}, 'needs a "name"')]:
+        with pytest.raises(EagletError, match=message):
+            response_format_grammar(response_format)
+    assert response_format_grammar({"type": "text"}) is None
+    assert math.isfinite(len(response_format_grammar({"type": "json_object"})))
+
+
+def test_generate_cli_constrains_and_refuses(tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[2]))
+    out = tmp_path / "out.json"
+    generate.main(["--json_schema", str(schema), "--max_new_tokens", "40", "--json_out", str(out)])
+    reply = json.loads(out.read_text())["samples"][0]["text"]
+    jsonschema.validate(json.loads(reply), SCHEMAS[2])
+    (tmp_path / "bad.json").write_text("{bad")
+    expect_error(["--json_schema", str(tmp_path / "bad.json")], "--json_schema")
+    expect_error(["--json_schema", str(tmp_path / "missing.json")], "cannot read it")
+    expect_error(["--regex", "(["], "the regex cannot be compiled")
+    expect_error(["--regex", "a", "--prompt", "x", "--prompt", "y"], "constrains one reply")
