@@ -3,6 +3,7 @@ openai client (and by raw HTTP for what a client library hides): replies equal g
 token, streamed or not; stop strings, usage, seeds; concurrent clients, a full queue, a client that leaves; every
 bad input's status and error JSON; prefix reuse on a three-turn chat."""
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -160,6 +161,12 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
     ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "foo"}}}}, 400, "response_format", "Invalid type: foo"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format", "name"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format", "'yaml'"),
+    ("/v1/completions", {"prompt": "x", "regex": "(["}, 400, "regex", "unclosed character class"),
+    ("/v1/completions", {"prompt": "x", "regex": "a", "grammar": "start: x"}, 400, "grammar", "not several"),
     ("/v1/nowhere", {}, 404, None, "no such path"),
 ]
 
@@ -318,3 +325,41 @@ def test_max_batch_runs_waiting_greedy_requests_together_each_exact(reference):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_structured_output_through_the_openai_client(server, client):
+    """response_format as the official client sends it: parse() with a pydantic model (a strict json_schema) gets
+    a reply its own parser accepts; json_object and a streamed schema reply parse as JSON; a regex is matched; greedy
+    replies are the same streamed or not; /metrics counts the constrained requests and the grammar's cuts."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal
+
+    class Entry(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        kind: Literal["file", "dir"]
+        size: int = pydantic.Field(ge=0, le=999)
+        tags: list[str] = pydantic.Field(max_length=2)
+
+    messages = [{"role": "user", "content": "def read_lines(path):"}]
+    reply = client.chat.completions.parse(model="any", messages=messages, response_format=Entry, temperature=0,
+                                          max_tokens=120)
+    entry = reply.choices[0].message.parsed
+    assert isinstance(entry, Entry) and reply.choices[0].finish_reason == "stop", reply
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    whole = client.completions.create(model="any", prompt="def f():\n", max_tokens=40, temperature=0,
+                                      extra_body={"response_format": response_format})
+    chunks = client.completions.create(model="any", prompt="def f():\n", max_tokens=40, temperature=0, stream=True,
+                                       extra_body={"response_format": response_format})
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text and 0 <= json.loads(streamed)["n"] <= 99
+    anything = client.chat.completions.create(model="any", messages=messages, temperature=0.7, seed=3, max_tokens=120,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    matched = client.completions.create(model="any", prompt="def f():\n", max_tokens=20, temperature=0,
+                                        extra_body={"regex": "    return [0-9]+\n"})
+    assert re.fullmatch(r"    return [0-9]+\n", matched.choices[0].text)
+    metrics = httpx.get(server + "/metrics").text
+    assert int(re.search(r"eaglet_constrained_requests_total (\d+)", metrics).group(1)) >= 5
+    assert int(re.search(r"eaglet_grammar_cuts_total (\d+)", metrics).group(1)) > 0
