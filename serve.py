@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 import generate
@@ -287,10 +288,17 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
     return value
 
 
+def harmless(name: str, value) -> bool:
+    """value asks for nothing this server would leave undone: equal to the harmless value AND of its type (in
+    Python 0 == False and True == 1, so logprobs 0 -- the sampled token's logprob -- or n true would pass as off)."""
+    default = HARMLESS.get(name)
+    return default is not None and type(value) is type(default) and value == default
+
+
 def sampling_of(body: dict) -> tuple:
     """(SamplingConfig, seed, stop strings) from a request's fields."""
     for name, what in REFUSED.items():
-        if name in body and body[name] is not None and body[name] != HARMLESS.get(name, None):
+        if name in body and body[name] is not None and not harmless(name, body[name]):
             raise ApiError(400, f"this server cannot honour {what}", name, "unsupported_parameter")
     temperature = number(body, "temperature", 1.0, 0, 100)
     top_p = number(body, "top_p", 1.0, 0, 1)
@@ -331,8 +339,9 @@ def messages_of(body: dict) -> list:
 class Server:
     """The HTTP side: parse and check a request, queue it, stream or return its reply."""
 
-    def __init__(self, engine: Engine, api_key: Optional[str]):
+    def __init__(self, engine: Engine, api_key: Optional[str], allowed_origins=("*",), aliases=("eaglet",)):
         self.engine, self.api_key = engine, api_key
+        self.model_ids = [engine.name] + [a for a in aliases if a != engine.name]
         self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/", self.page, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -341,12 +350,15 @@ class Server:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.middleware("http")(self.guard)
+        if allowed_origins:  # added last, so outermost: a preflight is answered before the key is asked for
+            app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                               allow_headers=["*"], max_age=600)
         app.exception_handler(404)(lambda r, e: ApiError(404, f"no such path: {r.url.path}").response())
         app.exception_handler(405)(lambda r, e: ApiError(405, f"{r.method} is not allowed on {r.url.path}").response())
 
     async def guard(self, request: Request, call_next):
         """The API key (compared in constant time) and the body's size, before any route runs."""
-        if self.api_key and request.url.path.startswith("/v1/"):
+        if self.api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(401, "a missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key").response()
@@ -365,8 +377,8 @@ class Server:
         return PlainTextResponse(self.engine.metrics.text(self.engine.jobs.qsize()))
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.engine.name, "object": "model", "owned_by": "eaglet",
-                                            "created": 0}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "eaglet", "created": 0}
+                                           for name in self.model_ids]}
 
     async def chat_completions(self, request: Request):
         return await self.complete(request, chat=True)
@@ -406,6 +418,10 @@ class Server:
 
     def make_job(self, body: dict, chat: bool) -> tuple:
         """The request as a Job (checked against the cache's room), whether to stream, and usage in the stream."""
+        model = body.get("model")
+        if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
+            raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
+                                f"{', '.join(self.model_ids)}", "model", "model_not_found")
         sampling, seed, stop = sampling_of(body)
         tokenizer = self.engine.tokenizer
         if chat:
@@ -426,6 +442,8 @@ class Server:
         stream, options = body.get("stream", False), body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(options, dict):
             raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
+        if body.get("stream_options") is not None and not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
         reuse = body.get("cache_prompt", True)
         loop = asyncio.get_running_loop()
         job = Job(prompt, max_tokens or room, sampling, seed, stop, reuse is not False, loop, asyncio.Queue(),
@@ -463,10 +481,13 @@ class Server:
     async def chunks(self, job: Job, head: dict, chat: bool, usage_in_stream: bool):
         """Server-sent events: one chunk per cycle, a last one with finish_reason, usage if asked, [DONE]. Leaving
         early (the client went away) cancels the job: the engine stops at the end of its cycle."""
+        first = [True]
+
         def chunk(text: str, finish=None, extra=None) -> str:
             choice = {"index": 0, "finish_reason": finish}
-            if chat:
-                choice["delta"] = {"role": "assistant", "content": text} if text is not None else {}
+            if chat:  # the role in the first chunk only, as OpenAI sends it
+                choice["delta"] = ({"role": "assistant"} if first[0] else {}) | ({"content": text} if text is not None else {})
+                first[0] = False
             else:
                 choice["text"] = text or ""
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
@@ -527,6 +548,12 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int_flag(0, 65535), default=8000, help="0: any free port (the ready line names it)")
     p.add_argument("--api_key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("--max_queue", type=int_flag(1), default=16, help="requests waiting at most; more get 503")
+    p.add_argument("--allowed_origins", default="*",
+                   help="comma-separated origins whose pages may call the API (CORS; a preflight needs no key); "
+                        "'' allows none")
+    p.add_argument("--served_model_name", action="append", default=None,
+                   help="a name requests may give as model besides the checkpoint's own id (repeatable; default: "
+                        "eaglet); any other name gets 404")
     p.add_argument("--max_batch", type=int_flag(1), default=1,
                    help="greedy requests that wait together run as one batch of up to this many rows, each row "
                         "exactly its own reply (caches of this many rows)")
@@ -560,7 +587,9 @@ def main(argv=None):
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: listening on {args.host} without --api_key: anyone who reaches it can use it")
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(Server(engine, args.api_key).app, log_level="warning"))
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    app = Server(engine, args.api_key, origins, args.served_model_name or ["eaglet"]).app
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"eaglet serving {engine.name} at http://{host}:{port} (OpenAI API under /v1, a chat page at /)", flush=True)
     server.run(sockets=[sock])  # Ctrl-C / SIGTERM: uvicorn stops cleanly and the port is freed
 

@@ -80,11 +80,11 @@ def reference():
 def test_completions_equal_generate_streamed_or_not(client, reference):
     for prompt in PROMPTS[:2]:
         text, tokens = reference(reference.tokenizer.encode(prompt), 40)
-        whole = client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0)
+        whole = client.completions.create(model="eaglet", prompt=prompt, max_tokens=40, temperature=0)
         assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
         assert whole.usage.completion_tokens == len(tokens) == 40
         assert whole.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
-        chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=40, temperature=0,
+        chunks = list(client.completions.create(model="eaglet", prompt=prompt, max_tokens=40, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
@@ -95,14 +95,14 @@ def test_chat_equals_generate_and_stop_strings_end_it_exactly(client, reference)
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def read_lines(path):"}]
     prompt = reference.tokenizer.encode_chat(messages)
     text, _ = reference(prompt, 60)
-    reply = client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0)
+    reply = client.chat.completions.create(model="eaglet", messages=messages, max_tokens=60, temperature=0)
     assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
     # a stop string that first appears mid-reply: cut before it, finish_reason stop, streamed the same
     stop = next(s for s in ("\n    ", "(", " ") if s in text[3:])
     cut, cut_tokens = reference(prompt, 60, stop=[stop])
     assert cut == text[:text.index(stop)] and len(cut_tokens) < 60
     for stream in (False, True):
-        got = client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0,
+        got = client.chat.completions.create(model="eaglet", messages=messages, max_tokens=60, temperature=0,
                                              stop=[stop, "@@never@@"], stream=stream,
                                              stream_options={"include_usage": True} if stream else None)
         if stream:
@@ -115,15 +115,16 @@ def test_chat_equals_generate_and_stop_strings_end_it_exactly(client, reference)
             usage = got.usage
         assert usage.completion_tokens == len(cut_tokens)  # generation ended at the token that made the stop string
     # a stop string that never appears holds back its length less one at each cycle: all of it comes at the end
-    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=60, temperature=0,
+    chunks = list(client.chat.completions.create(model="eaglet", messages=messages, max_tokens=60, temperature=0,
                                                  stop="@@never@@", stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
+    assert [c.choices[0].delta.role for c in chunks] == ["assistant"] + [None] * (len(chunks) - 1)  # the first only
 
 
 def test_seeded_sampling_repeats(client):
     def sample(seed):
-        return client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=30, temperature=1.0,
+        return client.completions.create(model="eaglet", prompt=PROMPTS[0], max_tokens=30, temperature=1.0,
                                          seed=seed).choices[0].text
     first = sample(7)
     assert sample(7) == first
@@ -131,8 +132,12 @@ def test_seeded_sampling_repeats(client):
 
 
 def test_models_health_metrics(server, client):
-    client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=4, temperature=0)  # one ok request at least
-    assert [m.id for m in client.models.list().data] == ["target/model.pth"]
+    client.completions.create(model="eaglet", prompt=PROMPTS[0], max_tokens=4, temperature=0)  # one ok request at least
+    assert [m.id for m in client.models.list().data] == ["target/model.pth", "eaglet"]  # its id, then the alias
+    assert client.completions.create(model="target/model.pth", prompt="x", max_tokens=1).usage.completion_tokens == 1
+    with pytest.raises(openai.NotFoundError) as e:  # OpenAI answers 404 for a model it does not have
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server + "/metrics").text
     assert 'eaglet_requests_total{outcome="ok"}' in metrics and "eaglet_mean_tau " in metrics
@@ -156,6 +161,10 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x " * 5000}, 400, "max_tokens", "the cache holds"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs", "cannot honour"),  # 0 == False in Python
+    ("/v1/completions", {"prompt": "x", "n": True}, 400, "n", "cannot honour"),  # True == 1
+    ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
@@ -233,7 +242,7 @@ def test_a_client_that_leaves_stops_its_generation(server, client, reference):
         assert time.time() < deadline, "the generation was not stopped"
         time.sleep(0.1)
     text, _ = reference(reference.tokenizer.encode(PROMPTS[1]), 16)
-    assert client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
+    assert client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
 
 
 def three_turns(client, reuse: bool) -> tuple:
@@ -241,7 +250,7 @@ def three_turns(client, reuse: bool) -> tuple:
     messages, replies, cached = [{"role": "system", "content": "Python only."}], [], []
     for turn in ("def read_lines(path):", "def add(a, b):", "class Stack:"):
         messages.append({"role": "user", "content": turn})
-        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=20, temperature=0,
+        r = client.chat.completions.create(model="eaglet", messages=messages, max_tokens=20, temperature=0,
                                            extra_body={"cache_prompt": reuse})
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
         replies.append(r.choices[0].message.content)
@@ -252,7 +261,7 @@ def three_turns(client, reuse: bool) -> tuple:
 def test_prefix_reuse_keeps_replies_and_counts_cached_tokens(client):
     """With and without reuse (cache_prompt: false): the same replies; with it each later turn's prompt tokens up
     to the last reply come from the cache."""
-    client.completions.create(model="demo", prompt="import sys\n", max_tokens=4, temperature=0)  # another cache
+    client.completions.create(model="eaglet", prompt="import sys\n", max_tokens=4, temperature=0)  # another cache
     with_reuse, cached = three_turns(client, True)
     without, none = three_turns(client, False)
     assert with_reuse == without and none == [0, 0, 0]
@@ -268,9 +277,9 @@ def test_prefix_reuse_without_a_head():
         for prompt in PROMPTS:  # a reply continued: the next prompt holds the last one's tokens, all but its last cached
             replies = []
             for reuse in (True, False):
-                first = client.completions.create(model="demo", prompt=prompt, max_tokens=20, temperature=0,
+                first = client.completions.create(model="eaglet", prompt=prompt, max_tokens=20, temperature=0,
                                                    extra_body={"cache_prompt": reuse})
-                second = client.completions.create(model="demo", prompt=prompt + first.choices[0].text + "\n",
+                second = client.completions.create(model="eaglet", prompt=prompt + first.choices[0].text + "\n",
                                                    max_tokens=20, temperature=0, extra_body={"cache_prompt": reuse})
                 replies.append(second.choices[0].text)
                 cached = second.usage.prompt_tokens_details.cached_tokens
@@ -288,9 +297,19 @@ def test_the_api_key_is_required_when_set():
         wrong = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret").completions.create(
-            model="demo", prompt="x", max_tokens=2, temperature=0)
+            model="eaglet", prompt="x", max_tokens=2, temperature=0)
         assert good.usage.completion_tokens == 2
         assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+        # a page from another origin: its preflight is answered without the key (a browser sends none), the
+        # request itself still needs it
+        preflight = httpx.options(url + "/v1/chat/completions", headers={
+            "origin": "http://elsewhere.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in (
+            "*", "http://elsewhere.example")
+        cross = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                           headers={"origin": "http://elsewhere.example", "authorization": "Bearer s3cret"})
+        assert cross.status_code == 200 and "access-control-allow-origin" in cross.headers
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -341,25 +360,40 @@ def test_structured_output_through_the_openai_client(server, client):
         tags: list[str] = pydantic.Field(max_length=2)
 
     messages = [{"role": "user", "content": "def read_lines(path):"}]
-    reply = client.chat.completions.parse(model="any", messages=messages, response_format=Entry, temperature=0,
+    reply = client.chat.completions.parse(model="eaglet", messages=messages, response_format=Entry, temperature=0,
                                           max_tokens=120)
     entry = reply.choices[0].message.parsed
     assert isinstance(entry, Entry) and reply.choices[0].finish_reason == "stop", reply
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
     response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
-    whole = client.completions.create(model="any", prompt="def f():\n", max_tokens=40, temperature=0,
+    whole = client.completions.create(model="eaglet", prompt="def f():\n", max_tokens=40, temperature=0,
                                       extra_body={"response_format": response_format})
-    chunks = client.completions.create(model="any", prompt="def f():\n", max_tokens=40, temperature=0, stream=True,
+    chunks = client.completions.create(model="eaglet", prompt="def f():\n", max_tokens=40, temperature=0, stream=True,
                                        extra_body={"response_format": response_format})
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == whole.choices[0].text and 0 <= json.loads(streamed)["n"] <= 99
-    anything = client.chat.completions.create(model="any", messages=messages, temperature=0.7, seed=3, max_tokens=120,
+    anything = client.chat.completions.create(model="eaglet", messages=messages, temperature=0.7, seed=3, max_tokens=120,
                                               response_format={"type": "json_object"})
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
-    matched = client.completions.create(model="any", prompt="def f():\n", max_tokens=20, temperature=0,
+    matched = client.completions.create(model="eaglet", prompt="def f():\n", max_tokens=20, temperature=0,
                                         extra_body={"regex": "    return [0-9]+\n"})
     assert re.fullmatch(r"    return [0-9]+\n", matched.choices[0].text)
     metrics = httpx.get(server + "/metrics").text
     assert int(re.search(r"eaglet_constrained_requests_total (\d+)", metrics).group(1)) >= 5
     assert int(re.search(r"eaglet_grammar_cuts_total (\d+)", metrics).group(1)) > 0
+
+
+def test_allowed_origins_limits_cross_origin_pages():
+    proc, url = start_server("--allowed_origins", "http://mine.example", "--no_draft", "--served_model_name", "mine")
+    try:
+        ask = lambda origin: httpx.options(url + "/v1/completions", headers={  # noqa: E731
+            "origin": origin, "access-control-request-method": "POST"})
+        assert ask("http://mine.example").headers.get("access-control-allow-origin") == "http://mine.example"
+        assert "access-control-allow-origin" not in ask("http://other.example").headers
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["target/model.pth", "mine"]  # the flag's alias replaces "eaglet"
+        assert httpx.post(url + "/v1/completions", json={"model": "eaglet", "prompt": "x"}).status_code == 404
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -34,7 +34,7 @@ def test_the_page_chats_and_marks_drafted_and_target_tokens():
         shown = "".join(s.get_attribute("textContent") for s in spans)
         kinds = {s.get_attribute("class") for s in spans}
         api = openai.OpenAI(base_url=url + "/v1", api_key="none").chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0)
+            model="eaglet", messages=[{"role": "user", "content": prompt}], max_tokens=200, temperature=0)
         assert shown == api.choices[0].message.content and shown
         assert kinds == {"drafted", "target"}
         assert "tau:" in driver.find_element(By.ID, "stats").text and "tokens/s:" in driver.find_element(By.ID, "stats").text
