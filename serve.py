@@ -40,11 +40,12 @@ from decode import SamplingConfig, compile_settings, compile_step, decode_one_to
 
 PAGE = Path(__file__).resolve().parent / "serve.html"
 MAX_BODY = 1 << 20  # bytes of a request body
-REFUSED = {"n": "n > 1 (one reply a request)", "logprobs": "logprobs", "top_logprobs": "logprobs",
+MAX_CHOICES = 16  # prompts x n of one request
+REFUSED = {"logprobs": "logprobs", "top_logprobs": "logprobs",
            "tools": "tools", "tool_choice": "tools", "functions": "functions", "function_call": "functions",
            "best_of": "best_of > 1", "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
            "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty"}
-HARMLESS = {"n": 1, "best_of": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
+HARMLESS = {"best_of": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
             "tools": [], "logit_bias": {}}
 # structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex)
 GRAMMAR_FIELDS = ("response_format", "guided_json", "regex", "guided_regex", "grammar", "guided_grammar")
@@ -76,11 +77,12 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     constraint: Optional[object] = None  # grammar.Constraint: structured output
+    index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
     def send(self, kind: str, value):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value))
 
 
 class Metrics:
@@ -388,21 +390,25 @@ class Server:
 
     async def complete(self, request: Request, chat: bool):
         try:
-            job, stream, usage_in_stream = self.make_job(await self.body(request), chat)
+            jobs, stream, usage_in_stream = self.make_jobs(await self.body(request), chat)
         except ApiError as e:
             self.engine.metrics.count("refused")
             return e.response()
-        try:
-            self.engine.jobs.put_nowait(job)
-        except queue.Full:
-            self.engine.metrics.count("queue_full")
-            return ApiError(503, "the server is busy: its queue is full; try again shortly").response({"Retry-After": "1"})
+        for queued, job in enumerate(jobs):
+            try:
+                self.engine.jobs.put_nowait(job)
+            except queue.Full:
+                for j in jobs[:queued]:  # the engine drops them unrun
+                    j.cancelled.set()
+                self.engine.metrics.count("queue_full")
+                return ApiError(503, "the server is busy: its queue is full; try again shortly").response(
+                    {"Retry-After": "1"})
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": reply_id, "created": int(time.time()), "model": self.engine.name,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
         if stream:
-            return StreamingResponse(self.chunks(job, head, chat, usage_in_stream), media_type="text/event-stream")
-        return await self.whole(request, job, head, chat)
+            return StreamingResponse(self.chunks(jobs, head, chat, usage_in_stream), media_type="text/event-stream")
+        return await self.whole(request, jobs, head, chat)
 
     async def body(self, request: Request) -> dict:
         raw = await request.body()
@@ -416,39 +422,56 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def make_job(self, body: dict, chat: bool) -> tuple:
-        """The request as a Job (checked against the cache's room), whether to stream, and usage in the stream."""
+    def make_jobs(self, body: dict, chat: bool) -> tuple:
+        """The request as Jobs, one a choice: each prompt (a completion's prompt may be a list) n times, each checked
+        against the cache's room; whether to stream, and usage in the stream."""
         model = body.get("model")
         if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
                                 f"{', '.join(self.model_ids)}", "model", "model_not_found")
         sampling, seed, stop = sampling_of(body)
+        n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
         tokenizer = self.engine.tokenizer
-        if chat:
-            prompt = tokenizer.encode_chat(messages_of(body))
-        else:
-            text = body.get("prompt")
-            if not isinstance(text, str) or not text:
-                raise ApiError(400, "prompt must be a non-empty string", "prompt")
-            prompt = tokenizer.encode(text)
-        room = self.engine.room(prompt)
+        prompts = [tokenizer.encode_chat(messages_of(body))] if chat else self.prompts_of(body.get("prompt"))
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = number(body, limit, None, 1, 1 << 31, integer=True)
-        if room < 1 or (max_tokens or 1) > room:
-            raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
-                                f"{len(prompt) + (max_tokens or 1) + self.engine.scratch} slots with the draft tree's "
-                                f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
-                           limit, "context_length_exceeded")
+        for prompt in prompts:
+            room = self.engine.room(prompt)
+            if room < 1 or (max_tokens or 1) > room:
+                raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
+                                    f"{len(prompt) + (max_tokens or 1) + self.engine.scratch} slots with the draft tree's "
+                                    f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
+                               limit, "context_length_exceeded")
         stream, options = body.get("stream", False), body.get("stream_options") or {}
         if not isinstance(stream, bool) or not isinstance(options, dict):
             raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
         if body.get("stream_options") is not None and not stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-        reuse = body.get("cache_prompt", True)
-        loop = asyncio.get_running_loop()
-        job = Job(prompt, max_tokens or room, sampling, seed, stop, reuse is not False, loop, asyncio.Queue(),
-                  self.constraint_of(body))
-        return job, stream, bool(options.get("include_usage"))
+        reuse, loop, events = body.get("cache_prompt", True) is not False, asyncio.get_running_loop(), asyncio.Queue()
+        self.constraint_of(body)  # refused now if it cannot be compiled; each job gets its own state below
+        jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
+                    reuse, loop, events, self.constraint_of(body), index=i * n + k)
+                for i, prompt in enumerate(prompts) for k in range(n)]
+        return jobs, stream, bool(options.get("include_usage"))
+
+    def prompts_of(self, prompt) -> list:
+        """A completion's prompt as token lists: a string, a list of strings, a list of token ids, or a list of such
+        lists (OpenAI's four shapes); several prompts are answered as choices in their order."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        ok = isinstance(prompt, list) and prompt
+        if ok and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt = [prompt]
+        if not ok or not all(p and (isinstance(p, str) or isinstance(p, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
+            raise ApiError(400, "prompt must be a non-empty string or token-id list, or a list of them", "prompt")
+        vocab = self.engine.model.args.vocab_size
+        for p in prompt:
+            if isinstance(p, list) and not all(0 <= t < vocab for t in p):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
     def constraint_of(self, body: dict):
         """The request's grammar as a fresh grammar.Constraint (None: free text); 400 naming the field and the
@@ -478,68 +501,86 @@ class Server:
         except EagletError as e:
             raise ApiError(400, str(e), name, "invalid_grammar")
 
-    async def chunks(self, job: Job, head: dict, chat: bool, usage_in_stream: bool):
-        """Server-sent events: one chunk per cycle, a last one with finish_reason, usage if asked, [DONE]. Leaving
-        early (the client went away) cancels the job: the engine stops at the end of its cycle."""
-        first = [True]
+    async def chunks(self, jobs: list, head: dict, chat: bool, usage_in_stream: bool):
+        """Server-sent events: one chunk per cycle (its choice's index), a last one per choice with its finish_reason,
+        usage if asked, [DONE]. Leaving early (the client went away) cancels the jobs: the engine stops at the end
+        of the cycle under way."""
+        started, finished = set(), {}
 
-        def chunk(text: str, finish=None, extra=None) -> str:
-            choice = {"index": 0, "finish_reason": finish}
-            if chat:  # the role in the first chunk only, as OpenAI sends it
-                choice["delta"] = ({"role": "assistant"} if first[0] else {}) | ({"content": text} if text is not None else {})
-                first[0] = False
+        def chunk(index: int, text: str, finish=None, extra=None) -> str:
+            choice = {"index": index, "finish_reason": finish}
+            if chat:  # the role in a choice's first chunk only, as OpenAI sends it
+                choice["delta"] = ({"role": "assistant"} if index not in started else {}) | (
+                    {"content": text} if text is not None else {})
+                started.add(index)
             else:
                 choice["text"] = text or ""
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
         try:
-            async for kind, value in events(job):
+            async for index, kind, value in events(jobs):
                 if kind == "text":
                     text, start, drafted = value  # the characters [drafted[0], drafted[1]) came from accepted drafts
-                    yield chunk(text, extra={"eaglet": {"start": start, "drafted": drafted}})
+                    yield chunk(index, text, extra={"eaglet": {"start": start, "drafted": drafted}})
                 elif kind == "done" and value is not None:
-                    yield chunk(None if chat else "", value["finish_reason"], {"eaglet": value["eaglet"]})
-                    if usage_in_stream:
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': value['usage']})}\n\n"
+                    finished[index] = value
+                    yield chunk(index, None if chat else "", value["finish_reason"], {"eaglet": value["eaglet"]})
                 elif kind == "error":
                     yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+            if usage_in_stream and len(finished) == len(jobs):
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(jobs, finished)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
+            for job in jobs:
+                job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
 
-    async def whole(self, request: Request, job: Job, head: dict, chat: bool):
-        """The whole reply as one JSON object; a client that goes away while it waits cancels the job."""
-        done = None
+    async def whole(self, request: Request, jobs: list, head: dict, chat: bool):
+        """The whole reply as one JSON object, its choices in order; a client that goes away while it waits cancels
+        the jobs."""
+        done = {}
         try:
-            async for kind, value in events(job, request):
-                if kind == "done":
-                    done = value
+            async for index, kind, value in events(jobs, request):
+                if kind == "done" and value is not None:
+                    done[index] = value
                 elif kind == "error":
                     return ApiError(500, f"generation failed: {value}").response()
         finally:
-            job.cancelled.set()
-        if done is None:
+            for job in jobs:
+                job.cancelled.set()
+        if len(done) < len(jobs):
             return ApiError(499, "the client went away").response()
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done["text"]},
-                      "finish_reason": done["finish_reason"]}
-        else:
-            choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"]}
-        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": done["usage"], "eaglet": done["eaglet"]}
+        choices = []
+        for index in sorted(done):
+            reply = done[index]
+            content = {"message": {"role": "assistant", "content": reply["text"]}} if chat else {"text": reply["text"]}
+            choices.append({"index": index, **content, "finish_reason": reply["finish_reason"]})
+        stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
+        return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": usage(jobs, done), "eaglet": stats}
 
 
-async def events(job: Job, request: Optional[Request] = None):
-    """A job's events until it is done; with request, stop early when its client disconnects."""
-    while True:
+def usage(jobs: list, done: dict) -> dict:
+    """OpenAI's usage of a request: each distinct prompt once, every choice's completion."""
+    prompts = {id(job.prompt): job for job in jobs}.values()
+    prompt_tokens = sum(len(job.prompt) for job in prompts)
+    completion = sum(reply["usage"]["completion_tokens"] for reply in done.values())
+    cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def events(jobs: list, request: Optional[Request] = None):
+    """The jobs' events, (choice index, kind, value), until each is done; with request, stop early when its
+    client disconnects."""
+    left = len(jobs)
+    while left:
         try:
-            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            index, kind, value = await asyncio.wait_for(jobs[0].events.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if request is not None and await request.is_disconnected():
                 return
             continue
-        yield kind, value
-        if kind in ("done", "error"):
-            return
+        yield index, kind, value
+        left -= kind in ("done", "error")
 
 
 def parse_args(argv=None):

@@ -159,10 +159,15 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "the cache holds"),
     ("/v1/completions", {"prompt": "x " * 5000}, 400, "max_tokens", "the cache holds"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "between"),
+    ("/v1/completions", {"prompt": ["x"] * 5, "n": 4}, 400, "n", "at most 16"),
+    ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "non-empty"),
+    ("/v1/completions", {"prompt": ["x", 3]}, 400, "prompt", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs", "cannot honour"),  # 0 == False in Python
-    ("/v1/completions", {"prompt": "x", "n": True}, 400, "n", "cannot honour"),  # True == 1
+    ("/v1/completions", {"prompt": "x", "n": True}, 400, "n", "integer"),  # True == 1
     ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
@@ -397,3 +402,35 @@ def test_allowed_origins_limits_cross_origin_pages():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_prompt_lists_and_n_choices(client, reference):
+    """A completion's prompt as a list of strings, as token ids, or a list of token-id lists: one choice each, in
+    order, each generate()'s own reply; n > 1 greedy gives n equal choices, sampled n seeded draws (seed + i each:
+    the same as n requests seeded so), streamed with their index."""
+    tok = reference.tokenizer
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    expected = [reference(tok.encode(p), 16)[0] for p in prompts]
+    by_text = client.completions.create(model="eaglet", prompt=prompts, max_tokens=16, temperature=0)
+    assert [c.text for c in by_text.choices] == expected and [c.index for c in by_text.choices] == [0, 1]
+    by_ids = client.completions.create(model="eaglet", prompt=[tok.encode(p) for p in prompts], max_tokens=16,
+                                       temperature=0)
+    assert [c.text for c in by_ids.choices] == expected
+    one_by_ids = client.completions.create(model="eaglet", prompt=tok.encode(prompts[1]), max_tokens=16, temperature=0)
+    assert one_by_ids.choices[0].text == expected[1]
+    assert by_text.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    greedy = client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=0, n=3)
+    assert [c.text for c in greedy.choices] == [expected[0]] * 3 and greedy.usage.completion_tokens == 48
+    sampled = client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=1, n=3, seed=7)
+    alone = [client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=1, seed=7 + i)
+             .choices[0].text for i in range(3)]
+    assert [c.text for c in sampled.choices] == alone and len(set(alone)) > 1
+    chunks = list(client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "def f():"}],
+                                                 max_tokens=12, temperature=0, n=2, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+    roles = [choice.delta.role for c in chunks for choice in c.choices if choice.delta.role]
+    assert roles == ["assistant", "assistant"]  # each choice's first chunk
