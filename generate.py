@@ -351,6 +351,9 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
     print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s, "
           f"weights read {n_bytes / max(result.seconds, 1e-9) / 1e9:.2f} GB/s{per_rank}, "
           f"peak memory {peak_memory_gb(device):.2f} GB{per_rank}")
+    if len(result.tokens) > 1:
+        print(f"first token after {result.first_token_seconds * 1e3:.1f} ms (the prefill), then "
+              f"{result.decode_tokens_per_s:.2f} tokens/s")
     if cycles:
         counts = Counter(result.accept_lengths)
         histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
