@@ -138,7 +138,9 @@ class CapturedGraphs:
     apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree, the sampling).
     The outputs live in the graph's memory, overwritten by the next replay: callers clone them (plain_call,
     cycle_call, generate_batch do). Capturing runs the call three times first on a side stream (as CUDA graph
-    capture needs); a step or a cycle run again from the same state writes the same K/V, so that is harmless."""
+    capture needs); a step or a cycle run again from the same state writes only past the context it starts from,
+    so that is harmless -- but when sampling, those runs draw random numbers: a seeded first generation differs
+    from a later one with the same seed. Every distinct sampling setting captures (and keeps) a graph of its own."""
 
     def __init__(self, compiled: Callable):
         self.compiled, self.graphs, self.pool = compiled, {}, None
@@ -349,6 +351,8 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
         segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
                            first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
         first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
+        if cut[0] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
+            raise EagletError("the grammar refused the token it had just allowed: no progress")
         tokens += segment.tokens
         accept_lengths += segment.accept_lengths
         if not cut[0] or stopped[0] or len(tokens) >= max_new_tokens or (tokens and tokens[-1] in eos_ids):

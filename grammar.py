@@ -136,8 +136,12 @@ class Constraint:
         if sampling.temperature == 0:
             return logits.float().masked_fill(~allowed, float("-inf")).argmax(-1)
         probs = logits_to_probs(logits, sampling) * allowed
-        if float(probs.sum()) == 0:  # top-k / top-p left no allowed token: the temperature's distribution, restricted
-            probs = logits_to_probs(logits, SamplingConfig(sampling.temperature)) * allowed
+        if not float(probs.sum()) > 0:
+            # top-k / top-p left no allowed token, or a low temperature rounded every allowed one to 0: the
+            # temperature's distribution restricted, computed from masked logits (the law is the same: softmax of
+            # the allowed logits alone)
+            masked = logits.float().masked_fill(~allowed, float("-inf"))
+            probs = logits_to_probs(masked, SamplingConfig(sampling.temperature))
         return sample_from_probs(probs / probs.sum())
 
     def done(self) -> bool:

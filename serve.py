@@ -450,6 +450,9 @@ class Server:
         if body.get("stream_options") is not None and not stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
         reuse, loop, events = body.get("cache_prompt", True) is not False, asyncio.get_running_loop(), asyncio.Queue()
+        if len(prompts) * n > self.engine.jobs.maxsize:
+            raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
+                                f"{self.engine.jobs.maxsize} (--max_queue)", "n")
         self.constraint_of(body)  # refused now if it cannot be compiled; each job gets its own state below
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
                     reuse, loop, events, self.constraint_of(body), index=i * n + k)
@@ -560,7 +563,10 @@ class Server:
 
 def usage(jobs: list, done: dict) -> dict:
     """OpenAI's usage of a request: each distinct prompt once, every choice's completion."""
-    prompts = {id(job.prompt): job for job in jobs}.values()
+    firsts = {}
+    for job in jobs:  # a prompt's first choice: the one that prefilled it (later ones may reuse its cache)
+        firsts.setdefault(id(job.prompt), job)
+    prompts = firsts.values()
     prompt_tokens = sum(len(job.prompt) for job in prompts)
     completion = sum(reply["usage"]["completion_tokens"] for reply in done.values())
     cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)

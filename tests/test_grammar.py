@@ -158,3 +158,18 @@ def test_generate_cli_constrains_and_refuses(tmp_path, capsys):
     expect_error(["--json_schema", str(tmp_path / "missing.json")], "cannot read it")
     expect_error(["--regex", "(["], "the regex cannot be compiled")
     expect_error(["--regex", "a", "--prompt", "x", "--prompt", "y"], "constrains one reply")
+
+
+def test_a_low_temperature_still_picks_an_allowed_token(demo):
+    """At temperature 0.01 every allowed token's probability rounds to 0 when the target prefers a refused one:
+    the pick must still be an allowed token (it was token 0 from all-NaN probabilities, and the reply looped)."""
+    target, tokenizer, _ = demo
+    grammar = grammar_of("regex", "    return x\n")
+    state = Constraint(tokenizer, target.args.vocab_size, grammar)
+    allowed = state.allowed("cpu")
+    logits = torch.zeros(target.args.vocab_size)
+    logits[~allowed] = 30.0  # the target prefers every refused token by far
+    for _ in range(5):
+        assert state.allows(int(state.pick(logits, SamplingConfig(temperature=0.01))))
+    result, _ = run(target, tokenizer, PROMPTS[0], grammar, SamplingConfig(temperature=0.01), n=12)
+    assert tokenizer.decode(result.tokens) == "    return x\n"

@@ -161,6 +161,7 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x " * 5000}, 400, "max_tokens", "the cache holds"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "between"),
     ("/v1/completions", {"prompt": ["x"] * 5, "n": 4}, 400, "n", "at most 16"),
+    ("/v1/completions", {"prompt": "x", "n": 4}, 400, "n", "never fit the queue of 3"),  # the fixture's --max_queue
     ("/v1/completions", {"prompt": [1, -2]}, 400, "prompt", "token ids"),
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": ["x", 3]}, 400, "prompt", "non-empty"),
