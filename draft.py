@@ -135,9 +135,9 @@ class EagleDraft(DraftHead):
     def restrict_vocab(self, target: Transformer, token_ids: Tensor, source: str = "given ids"):
         """Score only these target tokens (FR-Spec): the lm_head read per draft pass shrinks with them.
         Its rows stay in the lm_head's format (an int8 lm_head gives int8 rows)."""
-        self.draft_to_target = token_ids.to(target.tok_embeddings.weight.device)
-        self.vocab_lm_head = linear_rows(target.output, self.draft_to_target)
-        self.draft_vocab_source = source
+        token_ids = token_ids.to(target.tok_embeddings.weight.device)
+        self.vocab_lm_head = linear_rows(target.output, token_ids)  # first: it refuses an lm_head it cannot cut
+        self.draft_to_target, self.draft_vocab_source = token_ids, source
 
 
 @dataclass(frozen=True)

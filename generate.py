@@ -306,13 +306,19 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None,
             raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {why_no_draft_vocab(draft)}")
     else:
         token_ids, source = draft_vocab_of(draft_vocab, Path(checkpoint_path).parent, target.args.vocab_size, keep_ids)
-        if token_ids is not None:
+        if token_ids is not None and (draft_vocab is not None or can_take_rows(target)):
             draft.restrict_vocab(target, token_ids, source)
             if log:
                 log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft.draft_vocab_source}")
     if target.max_seq_length:
         draft.setup_caches(target.max_seq_length)
     return draft
+
+
+def can_take_rows(target: Transformer) -> bool:
+    """Whether the target's lm_head gives a draft vocabulary its rows (bf16 or int8); the default draft vocabulary
+    is left out where it does not, a file asked for is refused there (draft.linear_rows says why)."""
+    return isinstance(target.output, torch.nn.Linear) or hasattr(target.output, "rows")
 
 
 def draft_vocab_of(draft_vocab, head_dir: Optional[Path], vocab_size: int, keep_ids=()) -> tuple:
