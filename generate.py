@@ -302,7 +302,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None,
     check_target_copies(draft, target)
     target.set_feature_layers(draft.feature_layers)
     if not isinstance(draft, EagleDraft):
-        if str(draft_vocab) not in ("None", "full", "0"):
+        if draft_vocab is not None and str(draft_vocab) not in ("full", "0"):
             raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {why_no_draft_vocab(draft)}")
     else:
         token_ids, source = draft_vocab_of(draft_vocab, Path(checkpoint_path).parent, target.args.vocab_size, keep_ids)
