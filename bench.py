@@ -539,7 +539,7 @@ def loop_host_us(levels: int, calls: int = 20000) -> dict:
         tokens = []
         emit = partial(keep_new, tokens, eos_ids=(), max_new_tokens=calls * width)
         t0 = time.perf_counter()
-        run_calls(lambda state, filled: (done, state), None, 1, tokens, emit, calls * width, width, 1, 1 << 40, True,
+        run_calls(lambda state, filled: (done, state), None, 1, tokens, emit, calls * width, width, True,
                   [] if width > 1 else None)
         n_calls = len(tokens) / (levels if width > 1 else 1)
         out[name] = (time.perf_counter() - t0) / n_calls * 1e6

@@ -26,11 +26,15 @@ from quantize import Int4Linear, Int8Linear
 import tp
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
+    logprobs: int = -1  # k >= 0: each token's logprob under the target and its k likeliest tokens (token_scores)
 
     def __post_init__(self):
         if not all(map(math.isfinite, (self.temperature, self.top_p))):
@@ -41,6 +45,8 @@ class SamplingConfig:
             raise EagletError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EagletError(f"top_k must be >= 0, got {self.top_k}")
+        if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise EagletError(f"logprobs must be -1 (none) or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
 
 
 @dataclass
@@ -50,6 +56,7 @@ class GenerationResult:
     seconds: float  # from the call to the last token read back, the prefill included
     accept_lengths: list = field(default_factory=list)  # tokens emitted per cycle (speculative only)
     first_token_seconds: float = 0.0  # time to first token: the prefill (and the head's first pass), read back
+    logprobs: list = field(default_factory=list)  # with sampling.logprobs = k: per token (logprob, [(id, logprob)] * k)
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,6 +104,22 @@ def sample(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return sample_from_probs(logits_to_probs(logits, sampling))
 
 
+def token_scores(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
+    """What logprobs report, from the logits [..., V] that predicted tokens [...]: [..., 1 + 2k] floats, the token's
+    log-probability, then the k likeliest tokens' log-probabilities and their ids (exact as floats: ids < 2^24).
+    The distribution is the target's own, before temperature, top-k and top-p (what a plain forward gives)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(k, dim=-1)
+    return torch.cat([logp.gather(-1, tokens[..., None]), top.values, top.indices.float()], dim=-1)
+
+
+def read_scores(values: list, k: int) -> list:
+    """token_scores' rows, read back, as [(logprob, [(id, logprob)] * k)]."""
+    width = 1 + 2 * k
+    rows = [values[i:i + width] for i in range(0, len(values), width)]
+    return [(row[0], [(int(i), p) for i, p in zip(row[1 + k:], row[1:1 + k])]) for row in rows]
+
+
 def prefill(model: Transformer, tokens: Tensor, start_pos: int):
     """Write tokens [1, T] at positions start_pos.. into the cache; return (last logits, all features)."""
     input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
@@ -112,7 +135,10 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     are read (compile_step)."""
     logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
     token = sample(logits[:, -1], sampling)
-    return token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
+    token = token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
+    if sampling.logprobs >= 0:
+        return token, token_scores(logits[:, -1], token.clamp(min=0), sampling.logprobs)
+    return token
 
 
 # EAGLET_GRAPHS=manual: the plain step and the cycle captured by CapturedGraphs instead of torch.compile's CUDA-graph
@@ -259,6 +285,8 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     next_ctx = ctx_len + n_accepted + 1
     if target.tp_group is not None:  # every rank must have decided the same (tp.py); -1 says they did not
         n_accepted = tp.flag_disagreement(target.tp_group, n_accepted, tree.tokens, emitted)
+    if sampling.logprobs >= 0:  # the path's own logits predicted the emitted tokens: no other target pass
+        return emitted, n_accepted, bonus, next_ctx, h_last, token_scores(take(logits, path), emitted, sampling.logprobs)
     return emitted, n_accepted, bonus, next_ctx, h_last
 
 
@@ -281,7 +309,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
              draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
-             constraint=None, first_pick: Optional[Callable] = None) -> GenerationResult:
+             constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -289,11 +317,14 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     step; if it returns a number, that many of them are kept and generation ends (stop strings).
     run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
     (see run_calls). constraint (grammar.Constraint): structured output, exact under speculation
-    (generate_constrained).
+    (generate_constrained). sampling.logprobs >= 0: each token's logprobs, computed by the step or the verify that
+    chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
+    returned in the result.
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
-                                    on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead)
+                                    on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
+                                    scores=scores)
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
@@ -307,6 +338,10 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
     token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
     tokens, accept_lengths = [], []
+    scores = None if sampling.logprobs < 0 else [] if scores is None else scores
+    scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
+    if scores is not None:
+        scores += read_scores(token_scores(logits[0], token, sampling.logprobs).tolist(), sampling.logprobs)
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
     done = emit([token.item()])
     first_token_seconds = time.perf_counter() - t0
@@ -319,12 +354,14 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
         ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
-        run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest,
-                  tree.scratch if draft else 1, model.max_seq_length, ahead,
-                  accept_lengths if draft is not None else None)
+        run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
+                  accept_lengths if draft is not None else None, scores, sampling.logprobs)
     seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)
-    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds)
+    if scores is not None:
+        del scores[scored + len(tokens):]  # those of tokens cut at EOS, max_new_tokens or a stop
+    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds,
+                            scores[scored:] if scores is not None else [])
 
 
 def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
@@ -335,7 +372,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     caches hold them: its prefill re-runs the last one, as a chat turn's reuse does) and its first token is
     constraint.pick of that prefill's logits -- the refused position's -- the masked pick. Drafts the grammar
     refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here."""
-    prompt_tokens, tokens, accept_lengths = one_prompt(prompt_tokens), [], []
+    prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
     t0, first_token_seconds = time.perf_counter(), None
     while True:
         cut, stopped = [False], [False]
@@ -355,8 +392,10 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
             raise EagletError("the grammar refused the token it had just allowed: no progress")
         tokens += segment.tokens
         accept_lengths += segment.accept_lengths
+        logprobs += segment.logprobs
         if not cut[0] or stopped[0] or len(tokens) >= max_new_tokens or (tokens and tokens[-1] in eos_ids):
-            return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds)
+            return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
+                                    logprobs)
         start_pos = len(context) + len(segment.tokens) - 1
 
 
@@ -365,36 +404,50 @@ def plain_call(model, sampling, step_fn, state, filled: int):
     token, ctx_len = state
     # attend over what is filled, but in a CUDA graph (fixed shapes: its BlockMask skips the unfilled blocks)
     read = {} if step_fn and token.is_cuda else {"filled": filled + 1}
-    token = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **read).clone()
-    return token.view(1), (token, ctx_len + 1)
+    out = (step_fn or decode_one_token)(model, token.view(1, 1), ctx_len.view(1), sampling, **read)
+    token, scores = out if sampling.logprobs >= 0 else (out, None)
+    token = token.clone()
+    return read_back(token.view(1), scores), (token, ctx_len + 1)
 
 
 def cycle_call(model, draft, tree, sampling, step_fn, state, filled: int):
     """One speculative cycle queued on the device: ([accepted drafts, emitted tokens...], the next state). The
     outputs are cloned: a CUDA-graph replay of the next cycle overwrites its static outputs."""
-    emitted, n_accepted, token, ctx_len, h_last = [t.clone() for t in (step_fn or speculative_cycle)(
-        model, draft, *state, tree, sampling)]
-    return torch.cat([n_accepted.view(1), emitted]), (token, ctx_len, h_last)
+    out = [t.clone() for t in (step_fn or speculative_cycle)(model, draft, *state, tree, sampling)]
+    emitted, n_accepted, token, ctx_len, h_last = out[:5]
+    return read_back(torch.cat([n_accepted.view(1), emitted]), out[5] if len(out) > 5 else None), (token, ctx_len, h_last)
+
+
+def read_back(values: Tensor, scores: Optional[Tensor]) -> Tensor:
+    """What the host reads of a call, one tensor (one sync): its tokens, then their token_scores if asked for (as
+    floats then, exact for ids and counts below 2^24)."""
+    return values if scores is None else torch.cat([values.float(), scores.flatten()])
 
 
 def run_calls(call: Callable, state, n_prompt: int, tokens: list, emit: Callable, max_new_tokens: int, widest: int,
-              scratch: int, max_seq_length: int, ahead: bool, accept_lengths: Optional[list]):
-    """Steps or cycles until emit() says done, each read back to the host once (the one sync per call).
+              ahead: bool, accept_lengths: Optional[list], scores: Optional[list] = None, k: int = -1):
+    """Steps or cycles until emit() says done, each read back to the host once (the one sync per call); with scores,
+    the new tokens' scores (k alternatives) are appended to it before emit sees the tokens.
 
     Run ahead: call k+1 is queued (from call k's outputs, still on the device) before call k's tokens are read,
     so the GPU is not idle while the host reads, streams and checks them. When call k ends the generation (EOS,
     max_new_tokens, a stop string) call k+1 is thrown away: its tokens are never read and what it wrote lies
     past the kept context. It is queued only when call k cannot reach max_new_tokens (a cycle emits up to widest
-    tokens: a last cycle queued ahead would cost a whole cycle's device time for nothing) and when it surely fits
-    in the cache."""
+    tokens: a last cycle queued ahead would cost a whole cycle's device time for nothing); then it also fits in
+    the cache, since check_fits made room for max_new_tokens and the tree's scratch after the prompt."""
     pending, state = call(state, n_prompt + len(tokens) - 1)
     while True:
         ctx = n_prompt + len(tokens) - 1  # the context call k starts from (its root is not in the cache yet)
         queued = None
-        if ahead and max_new_tokens - len(tokens) > widest and ctx + widest + scratch <= max_seq_length:
+        if ahead and max_new_tokens - len(tokens) > widest:
             queued = call(state, ctx + widest)  # its context is at most call k's plus what call k emits
         out = pending.tolist()
-        new = [check_agreed(out[0])] if accept_lengths is None else out[1:check_agreed(out[0]) + 2]
+        if accept_lengths is None:  # a plain step: [token]
+            new, first = [check_agreed(int(out[0]))], 1
+        else:  # a cycle: [accepted drafts, emitted tokens padded to the tree's levels]
+            new, first = [int(t) for t in out[1:check_agreed(int(out[0])) + 2]], 1 + widest
+        if scores is not None:
+            scores += read_scores(out[first:], k)[:len(new)]
         n_before = len(tokens)
         done = emit(new)
         if accept_lengths is not None:  # tokens emitted, not accepted: those cut at EOS or max_new_tokens don't count

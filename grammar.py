@@ -62,6 +62,11 @@ def grammar_tokenizer(tokenizer: Tokenizer, n_vocab: int):
     return ll.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos or None)
 
 
+def token_bytes(tokenizer: Tokenizer, n_vocab: int, token: int) -> bytes:
+    """A token's own bytes (a byte-level token may hold part of a UTF-8 character): what logprobs report."""
+    return grammar_tokenizer(tokenizer, n_vocab).decode_bytes([token])
+
+
 def grammar_of(kind: str, value, strict: bool = False) -> str:
     """llguidance's grammar for a json_schema (a dict), json_object, regex or lark (a string); EagletError when it
     cannot be compiled. strict: a schema keyword the engine would ignore is refused rather than loosened."""

@@ -36,17 +36,17 @@ import generate
 from chat import TextStreamer, warm_up
 from checkpoint import EagletError
 from cli import cli_parser, int_flag
-from decode import SamplingConfig, compile_settings, compile_step, decode_one_token, speculative_cycle
+from decode import MAX_TOP_LOGPROBS, SamplingConfig, compile_settings, compile_step, decode_one_token, speculative_cycle
+from grammar import Constraint, grammar_of, response_format_grammar, token_bytes
+from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable
 
 PAGE = Path(__file__).resolve().parent / "serve.html"
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_CHOICES = 16  # prompts x n of one request
-REFUSED = {"logprobs": "logprobs", "top_logprobs": "logprobs",
-           "tools": "tools", "tool_choice": "tools", "functions": "functions", "function_call": "functions",
+REFUSED = {"functions": "functions (tools replaced them)", "function_call": "functions",
            "best_of": "best_of > 1", "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
            "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty"}
-HARMLESS = {"best_of": 1, "logprobs": False, "echo": False, "presence_penalty": 0, "frequency_penalty": 0,
-            "tools": [], "logit_bias": {}}
+HARMLESS = {"best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
 # structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex)
 GRAMMAR_FIELDS = ("response_format", "guided_json", "regex", "guided_regex", "grammar", "guided_grammar")
 
@@ -77,6 +77,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     constraint: Optional[object] = None  # grammar.Constraint: structured output
+    tool_form: Optional[str] = None  # tool_calls.py's format the reply's calls are read in (None: no tools)
+    scores: list = field(default_factory=list)  # with sampling.logprobs >= 0: generate appends each token's
     index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -190,25 +192,50 @@ class Engine:
         """The job's streamer and its on_tokens for generate(): text to the client each cycle, with the range
         the cycle's drafts made (all its tokens but the last, the target's own: the page marks it); a stop
         string or the job's own max_tokens ends it, and so does its client leaving."""
-        streamer, state = TextStreamer(self.tokenizer, job.prompt, stop=job.stop), {"stopped": False, "count": 0}
+        streamer = TextStreamer(self.tokenizer, job.prompt, stop=job.stop)
+        state = {"stopped": False, "count": 0, "logprobs": []}  # logprobs: entries not sent yet
 
         def on_tokens(new: list):
             new = new[:job.max_tokens - state["count"]]
             kept = [t for t in streamer.tokens + new[:-1] if t not in self.tokenizer.eos_ids]
             drafted = [len(streamer.text), len(self.tokenizer.decode(kept)) - streamer.skip]
-            streamer.write = lambda text: job.send("text", (text, streamer.printed, drafted))
+            written = []
+            streamer.write = lambda text: written.append((text, streamer.printed))
             keep = streamer(new)
             state["stopped"] = keep is not None
             if keep is None and (job.cancelled.is_set() or state["count"] + len(new) >= job.max_tokens):
                 keep = 0 if job.cancelled.is_set() else len(new)
+            state["logprobs"] += self.logprobs(job, state["count"], new if keep is None else new[:keep])
+            for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
+                job.send("text", (text, start, drafted, self.unsent(state) if i == len(written) - 1 else []))
             state["count"] += len(new) if keep is None else keep
             return keep
         return streamer, state, on_tokens
 
+    def logprobs(self, job: Job, first: int, tokens: list) -> list:
+        """OpenAI's chat logprobs entries of tokens, the job's tokens from index first on (EOS left out, as from the
+        text): the token, its bytes, its logprob under the target and its likeliest alternatives."""
+        if job.sampling.logprobs < 0:
+            return []
+        vocab = self.model.args.vocab_size
+
+        def entry(token: int, logprob: float) -> dict:
+            raw = token_bytes(self.tokenizer, vocab, token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return [entry(t, logprob) | {"top_logprobs": [entry(i, p) for i, p in top]}
+                for t, (logprob, top) in zip(tokens, job.scores[first:]) if t not in self.tokenizer.eos_ids]
+
+    @staticmethod
+    def unsent(state: dict) -> list:
+        entries, state["logprobs"] = state["logprobs"], []
+        return entries
+
     def finish(self, job: Job, result, streamer: TextStreamer, state: dict, cached: int, seconds: float):
         """The rest of the text, the counters, and the job's last event."""
-        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0]))
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0], self.unsent(state)))
         streamer.flush()
+        if state["logprobs"]:  # tokens whose text never came (held back, then cut)
+            job.send("text", ("", streamer.printed, [0, 0], self.unsent(state)))
         eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
         finish = "length" if len(result.tokens) >= job.max_tokens and not (state["stopped"] or eos) else "stop"
         cycles = len(result.accept_lengths)
@@ -221,6 +248,7 @@ class Engine:
         job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
             "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
             "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": cached}},
+            "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
             "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
                        "tokens_per_s": result.tokens_per_s, "seconds": seconds}})
 
@@ -237,7 +265,7 @@ class Engine:
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
-                          constraint=job.constraint)
+                          constraint=job.constraint, scores=job.scores)
         if not job.cancelled.is_set():
             self.cached = job.prompt + result.tokens[:-1]  # the last token was sampled but never fed back
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)
@@ -262,7 +290,8 @@ class Engine:
         A job that cannot join (it samples) waits for the next turn, first in line."""
         job = self.held.pop(0) if self.held else self.jobs.get()
         batch = [job]
-        batchable = lambda j: j.sampling.temperature == 0 and j.constraint is None  # noqa: E731 (a grammar runs alone)
+        batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
+                               and j.constraint is None)  # a grammar, logprobs: alone
         while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
             try:
                 other = self.held.pop(0) if self.held else self.jobs.get_nowait()
@@ -297,7 +326,22 @@ def harmless(name: str, value) -> bool:
     return default is not None and type(value) is type(default) and value == default
 
 
-def sampling_of(body: dict) -> tuple:
+def logprobs_of(body: dict, chat: bool) -> int:
+    """How many alternatives logprobs report per token, -1 for none: chat's logprobs (true / false) and top_logprobs,
+    or a completion's logprobs (a count)."""
+    if not chat:
+        count = number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        return -1 if count is None else count
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"logprobs must be true or false, got {json.dumps(wanted)[:40]}", "logprobs")
+    top = number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else -1
+
+
+def sampling_of(body: dict, chat: bool = True) -> tuple:
     """(SamplingConfig, seed, stop strings) from a request's fields."""
     for name, what in REFUSED.items():
         if name in body and body[name] is not None and not harmless(name, body[name]):
@@ -312,10 +356,12 @@ def sampling_of(body: dict) -> tuple:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
-    return SamplingConfig(temperature, top_p, top_k), seed, stop
+    return SamplingConfig(temperature, top_p, top_k, logprobs_of(body, chat)), seed, stop
 
 
 def messages_of(body: dict) -> list:
+    """The conversation as the chat template reads it: text content; an assistant's tool_calls with their
+    arguments as objects (as templates expect them); a tool's result with the id of the call it answers."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
@@ -323,19 +369,43 @@ def messages_of(body: dict) -> list:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, got "
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got "
                                 f"{json.dumps(role)[:40]}", "messages")
         if isinstance(content, list):  # parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant" and calls:
+            content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+            message |= {"tool_call_id": m["tool_call_id"]} | ({"name": m["name"]} if isinstance(m.get("name"), str) else {})
+        if role == "assistant" and calls is not None:
+            message["tool_calls"] = [call_of(i, call) for call in (calls if isinstance(calls, list) else [None])]
+        out.append(message)
     return out
+
+
+def call_of(i: int, call) -> dict:
+    """An assistant message's tool call, its arguments (OpenAI sends JSON text) parsed into an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
+                            '{"name", "arguments": a JSON object as text}}', "messages")
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 class Server:
@@ -429,10 +499,14 @@ class Server:
         if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
                                 f"{', '.join(self.model_ids)}", "model", "model_not_found")
-        sampling, seed, stop = sampling_of(body)
+        sampling, seed, stop = sampling_of(body, chat)
         n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
         tokenizer = self.engine.tokenizer
-        prompts = [tokenizer.encode_chat(messages_of(body))] if chat else self.prompts_of(body.get("prompt"))
+        tools, tool_form, calls = self.tools_of(body, chat)
+        try:
+            prompts = [tokenizer.encode_chat(messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
+        except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
+            raise ApiError(400, str(e), "messages")
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -453,11 +527,46 @@ class Server:
         if len(prompts) * n > self.engine.jobs.maxsize:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        self.constraint_of(body)  # refused now if it cannot be compiled; each job gets its own state below
+        constraint = partial(self.call_constraint, tool_form, tools, calls) if calls else partial(self.constraint_of, body)
+        if calls and any(body.get(name) is not None for name in GRAMMAR_FIELDS):
+            raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
+                                "(or regex, grammar), not both", "tool_choice")
+        constraint()  # refused now if it cannot be compiled; each job gets its own state below
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, self.constraint_of(body), index=i * n + k)
+                    reuse, loop, events, constraint(), tool_form, index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
         return jobs, stream, bool(options.get("include_usage"))
+
+    def tools_of(self, body: dict, chat: bool) -> tuple:
+        """(tools for the chat template, the format its calls are read in, the names a call is forced among) of
+        OpenAI's tools and tool_choice; (None, None, None) without tools or with tool_choice none."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is None and choice is None:
+            return None, None, None
+        if not chat:
+            raise ApiError(400, "tools are for /v1/chat/completions", "tools")
+        try:
+            functions = functions_of(tools)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tools")
+        try:
+            calls = chosen_functions(functions, choice)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tool_choice")
+        if choice == "none":
+            return None, None, None
+        try:
+            return tools, call_format(self.engine.tokenizer), calls
+        except EagletError as e:
+            raise ApiError(400, str(e), "tools", "tools_unsupported")
+
+    def call_constraint(self, tool_form: str, tools: list, names: list):
+        """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""
+        try:
+            grammar = call_grammar(self.engine.tokenizer, tool_form, functions_of(tools), names)
+            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tools", "invalid_grammar")
 
     def prompts_of(self, prompt) -> list:
         """A completion's prompt as token lists: a string, a list of strings, a list of token ids, or a list of such
@@ -487,7 +596,6 @@ class Server:
             raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
         name, value = given[0], body[given[0]]
         try:
-            from grammar import Constraint, grammar_of, response_format_grammar
             if name == "response_format":
                 grammar = response_format_grammar(value)
             elif name == "guided_json":
@@ -508,25 +616,46 @@ class Server:
         """Server-sent events: one chunk per cycle (its choice's index), a last one per choice with its finish_reason,
         usage if asked, [DONE]. Leaving early (the client went away) cancels the jobs: the engine stops at the end
         of the cycle under way."""
-        started, finished = set(), {}
+        started, finished, offsets, texts, sent = set(), {}, {}, {}, {}
+        wants_logprobs, tool_form = jobs[0].sampling.logprobs >= 0, jobs[0].tool_form
 
-        def chunk(index: int, text: str, finish=None, extra=None) -> str:
+        def chunk(index: int, text: str, finish=None, extra=None, logprobs=None, calls=None) -> str:
             choice = {"index": index, "finish_reason": finish}
             if chat:  # the role in a choice's first chunk only, as OpenAI sends it
                 choice["delta"] = ({"role": "assistant"} if index not in started else {}) | (
-                    {"content": text} if text is not None else {})
+                    {"content": text} if text is not None else {}) | (
+                    {"tool_calls": [{"index": i} | call for i, call in enumerate(calls)]} if calls else {})
                 started.add(index)
+                choice["logprobs"] = {"content": logprobs} if wants_logprobs and logprobs is not None else None
             else:
                 choice["text"] = text or ""
+                if wants_logprobs and logprobs is not None:
+                    choice["logprobs"] = completion_logprobs(logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(e["token"]) for e in logprobs)
+                else:
+                    choice["logprobs"] = None
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
         try:
             async for index, kind, value in events(jobs):
                 if kind == "text":
-                    text, start, drafted = value  # the characters [drafted[0], drafted[1]) came from accepted drafts
-                    yield chunk(index, text, extra={"eaglet": {"start": start, "drafted": drafted}})
+                    text, start, drafted, logprobs = value  # [drafted[0], drafted[1]): characters from accepted drafts
+                    if tool_form:  # content up to where a call starts (or may): the rest when the reply is done
+                        texts[index] = texts.get(index, "") + text
+                        upto = max(sent.get(index, 0), streamable(texts[index], tool_form))
+                        text, sent[index] = texts[index][sent.get(index, 0):upto], upto
+                    if text or logprobs:
+                        yield chunk(index, text, extra={"eaglet": {"start": start, "drafted": drafted}},
+                                    logprobs=logprobs)
                 elif kind == "done" and value is not None:
-                    finished[index] = value
-                    yield chunk(index, None if chat else "", value["finish_reason"], {"eaglet": value["eaglet"]})
+                    finished[index], finish, calls = value, value["finish_reason"], []
+                    if tool_form:
+                        content, calls = parse_calls(value["text"], tool_form)
+                        if (content or "")[sent.get(index, 0):]:
+                            yield chunk(index, content[sent.get(index, 0):])
+                        if calls:
+                            finish = "tool_calls"
+                            yield chunk(index, None, calls=calls)
+                    yield chunk(index, None if chat else "", finish, {"eaglet": value["eaglet"]})
                 elif kind == "error":
                     yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
             if usage_in_stream and len(finished) == len(jobs):
@@ -554,11 +683,28 @@ class Server:
         choices = []
         for index in sorted(done):
             reply = done[index]
-            content = {"message": {"role": "assistant", "content": reply["text"]}} if chat else {"text": reply["text"]}
-            choices.append({"index": index, **content, "finish_reason": reply["finish_reason"]})
+            logprobs, finish = reply["logprobs"], reply["finish_reason"]
+            if chat:
+                message = {"role": "assistant", "content": reply["text"]}
+                text, calls = parse_calls(reply["text"], jobs[index].tool_form) if jobs[index].tool_form else (None, [])
+                if calls:
+                    message, finish = {"role": "assistant", "content": text, "tool_calls": calls}, "tool_calls"
+                content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
+            else:
+                content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)}
+            choices.append({"index": index, **content, "finish_reason": finish})
         stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": usage(jobs, done), "eaglet": stats}
+
+
+def completion_logprobs(entries: list, offset: int = 0) -> dict:
+    """Chat logprobs entries in the completions' shape: tokens, token_logprobs, top_logprobs (token -> logprob) and
+    text_offset (each token's first character in the text; offset: the characters before these tokens)."""
+    starts = [offset + sum(len(e["token"]) for e in entries[:i]) for i in range(len(entries))]
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": starts}
 
 
 def usage(jobs: list, done: dict) -> dict:

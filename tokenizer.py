@@ -5,6 +5,7 @@ chat_template of tokenizer_config.json / chat_template.json) is rendered with ji
 Vicuna templates are built in for checkpoints that have none, and `chat_template_source` says which is used.
 Imports checkpoint.py (EagletError) only.
 """
+import json
 import re
 from datetime import datetime
 from pathlib import Path
@@ -134,23 +135,33 @@ class Tokenizer:
             return self.hf.decode(list(ids), skip_special_tokens=True)
         return self.sp.decode(list(ids))
 
-    def encode_chat(self, messages: list) -> list:
-        """Token ids of a conversation rendered with the chat template, ready for the assistant's reply."""
+    def encode_chat(self, messages: list, tools: Optional[list] = None) -> list:
+        """Token ids of a conversation rendered with the chat template, ready for the assistant's reply; tools:
+        OpenAI's function tools, for a template that reads them (takes_tools)."""
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise EagletError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = template_environment()
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = env.from_string(self.chat_template).render(
-                **self.template_kwargs, messages=messages, add_generation_prompt=True,
+                **self.template_kwargs, **extra, messages=messages, add_generation_prompt=True,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise EagletError(f"chat template: {e}")
         return self.encode_with_specials(text)
+
+    def takes_tools(self) -> bool:
+        """Whether the chat template reads a tools variable (templates with tool support do)."""
+        import jinja2
+        from jinja2 import meta
+        try:
+            return "tools" in meta.find_undeclared_variables(template_environment().parse(self.chat_template))
+        except jinja2.TemplateError:
+            return False
 
     def encode_with_specials(self, text: str) -> list:
         """Encode text in which special tokens appear as strings (as chat templates write them)."""
@@ -164,3 +175,13 @@ class Tokenizer:
             elif part:
                 ids.extend(self.sp.encode(part))
         return ids
+
+
+def template_environment():
+    """The sandboxed jinja2 environment chat templates are rendered in, as Hugging Face renders them: its tojson is
+    json.dumps (jinja2's own escapes < > & as \\u003c..., text no template was trained on)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return env

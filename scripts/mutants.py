@@ -110,8 +110,6 @@ MUTANTS = [
     # running ahead
     M("run ahead: the queued call's context not advanced (eager attention misses the newest slot)", "decode.py",
       "queued = call(state, ctx + widest)", "queued = call(state, ctx)"),
-    M("run ahead: queued even where it may not fit in the cache", "decode.py",
-      "and ctx + widest + scratch <= max_seq_length:", ":"),
     M("run ahead: never (every call waits for the host)", "decode.py",
       "ahead = device.type == \"cuda\" and RUN_AHEAD if run_ahead is None else run_ahead", "ahead = False"),
     # sampling

@@ -166,8 +166,14 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": ["x", 3]}, 400, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs", "cannot honour"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs", "cannot honour"),  # 0 == False in Python
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", "integer"),  # True == 1
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
+     "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "between 0 and 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "needs logprobs"),
     ("/v1/completions", {"prompt": "x", "n": True}, 400, "n", "integer"),  # True == 1
     ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
@@ -435,3 +441,41 @@ def test_prompt_lists_and_n_choices(client, reference):
     assert texts[0] == texts[1] and texts[0]
     roles = [choice.delta.role for c in chunks for choice in c.choices if choice.delta.role]
     assert roles == ["assistant", "assistant"]  # each choice's first chunk
+
+
+def test_logprobs_equal_a_plain_forward_streamed_or_not(client, reference):
+    """logprobs as the official client reads them, chat (logprobs, top_logprobs) and completions (logprobs: k): one
+    entry per token of the reply, its bytes spelling the reply, its logprob and top alternatives those of one plain
+    forward over prompt and reply; streamed entries equal the whole reply's."""
+    from test_logprobs import forward_logprobs
+    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    tokenizer = reference.tokenizer
+    messages = [{"role": "user", "content": "def read_lines(path):"}]
+    whole = client.chat.completions.create(model="eaglet", messages=messages, temperature=0, max_tokens=30,
+                                           logprobs=True, top_logprobs=3)
+    chunks = client.chat.completions.create(model="eaglet", messages=messages, temperature=0, max_tokens=30,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    entries = whole.choices[0].logprobs.content
+    assert [e.bytes for e in streamed] == [e.bytes for e in entries]  # (the second reuses the cache: values may
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)  # differ in ulps)
+    assert bytes(b for e in entries for b in e.bytes).decode() == whole.choices[0].message.content
+    prompt = tokenizer.encode_chat(messages)
+    text, tokens = reference(prompt, 30)
+    assert text == whole.choices[0].message.content
+    kept = [t for t in tokens if t not in tokenizer.eos_ids]
+    logp = forward_logprobs(target, prompt + tokens)[len(prompt) - 1:]
+    for i, (token, e) in enumerate(zip(kept, entries)):
+        assert e.logprob == pytest.approx(float(logp[i, token]), abs=1e-4)
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(logp[i].topk(3).values.tolist(), abs=1e-4)
+    assert len(entries) == len(kept)
+
+    completion = client.completions.create(model="eaglet", prompt=PROMPTS[0], temperature=0, max_tokens=12, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens) > 0
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 and max(top.values()) >= p - 1e-6 for top, p in zip(lp.top_logprobs, lp.token_logprobs))
+    parts = client.completions.create(model="eaglet", prompt=PROMPTS[0], temperature=0, max_tokens=12, logprobs=2,
+                                      stream=True)
+    assert [t for c in parts if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] \
+        == pytest.approx(lp.token_logprobs, abs=1e-4)

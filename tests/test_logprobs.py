@@ -1,0 +1,114 @@
+"""logprobs from the step or the verify that chose each token (sampling.logprobs = k): every emitted token's
+log-probability under the target and its k likeliest tokens there equal what one plain forward over the prompt and
+the reply gives at those positions -- for plain decoding and every head kind, running ahead, compiled, sampled and
+under a grammar -- and there is exactly one entry per kept token."""
+import pytest
+import torch
+
+import generate
+from conftest import ROOT
+from decode import SamplingConfig, TreeConfig
+from attention import causal_mask
+from model import EagletError
+
+DEMO = ROOT / "demo"
+PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def push(self, item):"]
+HEADS = ("head", "head3", "dflash", "dspark")
+
+pytestmark = pytest.mark.skipif(not (DEMO / "target" / "model.pth").is_file(), reason="no demo/")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 384)
+    tokenizer = generate.Tokenizer(DEMO / "target")
+    heads = {name: generate.load_draft(DEMO / name / "draft.pth", target) for name in HEADS}
+    return target, tokenizer, heads
+
+
+def forward_logprobs(target, tokens: list) -> torch.Tensor:
+    """log_softmax of the target's logits at every position of tokens, from one causal forward (no tree, no cache
+    reuse): row i predicts tokens[i + 1]."""
+    pos = torch.arange(len(tokens))
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([tokens]), pos, pos, causal_mask(pos, len(tokens)))
+    return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+def check_scores(target, result, k: int):
+    assert len(result.logprobs) == len(result.tokens) > 0
+    logp = forward_logprobs(target, result.prompt_tokens + result.tokens)[len(result.prompt_tokens) - 1:]
+    for i, (token, (chosen, top)) in enumerate(zip(result.tokens, result.logprobs)):
+        assert chosen == pytest.approx(float(logp[i, token]), abs=1e-4), f"token {i}"
+        assert len(top) == k
+        want = logp[i].topk(k)
+        assert [p for _, p in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+        for (got_id, p), want_id in zip(top, want.indices.tolist()):  # ids equal, or a tie within the tolerance
+            assert got_id == want_id or float(logp[i, got_id]) == pytest.approx(p, abs=1e-4)
+
+
+@pytest.mark.parametrize("head", [None, *HEADS])
+def test_greedy_logprobs_equal_a_plain_forward(demo, head):
+    target, tokenizer, heads = demo
+    draft = heads.get(head)
+    if draft is not None:
+        target.set_feature_layers(draft.feature_layers)
+    tree = TreeConfig(3, 4, 8) if head in ("head", "head3") else None
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        plain = generate.generate(target, ids, 24, SamplingConfig(), tokenizer.eos_ids)
+        result = generate.generate(target, ids, 24, SamplingConfig(logprobs=3), tokenizer.eos_ids, draft=draft,
+                                   tree=tree)
+        assert result.tokens == plain.tokens and plain.logprobs == []
+        check_scores(target, result, 3)
+
+
+def test_run_ahead_and_a_cut_at_max_new_tokens_keep_one_entry_per_token(demo):
+    target, tokenizer, heads = demo
+    target.set_feature_layers(heads["head"].feature_layers)
+    ids = tokenizer.encode(PROMPTS[0])
+    for n in (1, 5, 13):
+        result = generate.generate(target, ids, n, SamplingConfig(logprobs=0), tokenizer.eos_ids, draft=heads["head"],
+                                   tree=TreeConfig(3, 4, 8), run_ahead=True)
+        assert len(result.tokens) == n
+        check_scores(target, result, 0)
+
+
+def test_sampled_tokens_have_their_own_logprobs(demo):
+    target, tokenizer, heads = demo
+    target.set_feature_layers(heads["head"].feature_layers)
+    torch.manual_seed(3)
+    result = generate.generate(target, tokenizer.encode(PROMPTS[1]), 20, SamplingConfig(0.9, top_k=20, logprobs=2),
+                               tokenizer.eos_ids, draft=heads["head"], tree=TreeConfig(3, 4, 8))
+    check_scores(target, result, 2)  # the target's own distribution, not the temperature's
+
+
+def test_compiled_cycle_gives_the_same_logprobs(demo):
+    target, tokenizer, heads = demo
+    target.set_feature_layers(heads["head"].feature_layers)
+    ids, sampling, tree = tokenizer.encode(PROMPTS[0]), SamplingConfig(logprobs=2), TreeConfig(3, 4, 8)
+    eager = generate.generate(target, ids, 16, sampling, draft=heads["head"], tree=tree)
+    step = generate.compile_step(generate.speculative_cycle, "cpu")
+    compiled = generate.generate(target, ids, 16, sampling, draft=heads["head"], tree=tree, step_fn=step)
+    assert compiled.tokens == eager.tokens
+    for (a, top_a), (b, top_b) in zip(compiled.logprobs, eager.logprobs):
+        assert a == pytest.approx(b, abs=1e-4) and [i for i, _ in top_a] == [i for i, _ in top_b]
+
+
+def test_scores_list_is_filled_before_on_tokens_sees_the_tokens(demo):
+    target, tokenizer, heads = demo
+    target.set_feature_layers(heads["head"].feature_layers)
+    scores, chunks = [], []
+
+    def on_tokens(new):  # the scores of every token so far, these included, are in the list already
+        assert len(scores) >= sum(map(len, chunks)) + len(new)
+        chunks.append(new)
+    result = generate.generate(target, tokenizer.encode(PROMPTS[0]), 20, SamplingConfig(logprobs=1), draft=heads["head"],
+                               tree=TreeConfig(3, 4, 8), on_tokens=on_tokens, scores=scores)
+    assert scores == result.logprobs and len(chunks) > 1
+
+
+def test_logprobs_out_of_range_is_refused():
+    for k in (-2, 21):
+        with pytest.raises(EagletError, match="logprobs"):
+            SamplingConfig(logprobs=k)

@@ -1,0 +1,184 @@
+"""Tool calls (tool_calls.py, serve.py): the call format read from the chat template, replies parsed into OpenAI's
+tool_calls for the three formats, a forced call (tool_choice required or named) that is always a valid call of a
+given function whose arguments satisfy its schema -- speculative output equal to plain -- and the whole loop through
+the official client: a call, streamed or not, the tool's result sent back, the next reply."""
+import json
+
+import pytest
+
+pytest.importorskip("llguidance", reason="forced calls are grammars: pip install llguidance")
+jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
+
+import generate  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from decode import SamplingConfig, TreeConfig  # noqa: E402
+from grammar import Constraint  # noqa: E402
+from model import EagletError  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable  # noqa: E402
+
+DEMO = ROOT / "demo"
+# A small template in the Hermes style (Qwen's): tools listed as JSON, calls as <tool_call> blocks, results back
+# as <tool_response> blocks.
+HERMES = (
+    "{%- if tools %}{{ '<|system|>\\nCall a function as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+    "Functions:\\n' }}{%- for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{%- endfor %}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}{{ '<|user|>\\n<tool_response>' + m.content + '</tool_response>\\n' }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{{ '<|assistant|>\\n' + m.content }}"
+    "{%- for c in m.tool_calls %}{{ '<tool_call>' + {'name': c.function.name, 'arguments': c.function.arguments} | tojson"
+    " + '</tool_call>' }}{%- endfor %}{{ '\\n' }}"
+    "{%- else %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{%- endif %}")
+LLAMA = "{%- if tools %}Reply {\"name\": function name, \"parameters\": {...}}: {{ tools | tojson }}{%- endif %}" \
+        "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+MISTRAL = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}" \
+          "{%- for m in messages %}{{ m.content }}{%- endfor %}[TOOL_CALLS]"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 12},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def tokenizer_with(tmp_path, template: str) -> Tokenizer:
+    (tmp_path / "t.jinja").write_text(template)
+    return Tokenizer(DEMO / "target", chat_template=str(tmp_path / "t.jinja"))
+
+
+def test_the_format_comes_from_the_template(tmp_path):
+    assert call_format(tokenizer_with(tmp_path, HERMES)) == "hermes"
+    assert call_format(tokenizer_with(tmp_path, LLAMA)) == "llama"
+    assert call_format(tokenizer_with(tmp_path, MISTRAL)) == "mistral"
+    with pytest.raises(EagletError, match="no tool support"):
+        call_format(Tokenizer(DEMO / "target"))  # the built-in LLaMA-2 template never reads tools
+    with pytest.raises(EagletError, match="does not read"):
+        call_format(tokenizer_with(tmp_path, "{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}"))
+
+
+def test_tools_render_as_json_not_html_escaped(tmp_path):
+    tokenizer = tokenizer_with(tmp_path, HERMES)
+    tool = {"type": "function", "function": {"name": "f", "description": "a < b & c"}}
+    text = tokenizer.decode(tokenizer.encode_chat([{"role": "user", "content": "hi"}], [tool]))
+    assert json.dumps(tool) in text
+
+
+def test_replies_parse_into_calls_in_each_format():
+    content, calls = parse_calls('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+                                 '<tool_call>{"name": "b", "arguments": {}}</tool_call>', "hermes")
+    assert content == "Let me look.\n" and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 1} and calls[0]["id"] != calls[1]["id"]
+    assert parse_calls('<tool_call>{"name": "a", "argu', "hermes") == ('<tool_call>{"name": "a", "argu', [])  # cut short
+    content, calls = parse_calls(' {"name": "a", "parameters": {"y": "z"}}', "llama")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"y": "z"}
+    assert parse_calls("The answer is {1}", "llama") == ("The answer is {1}", [])
+    content, calls = parse_calls('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"k": [1]}}]', "mistral")
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert parse_calls("[1, 2]", "mistral") == ("[1, 2]", [])
+    assert streamable("Sure.\n<tool_", "hermes") == len("Sure.\n") and streamable("Sure.", "hermes") == 5
+    assert streamable("  {", "llama") == 0 and streamable("Hello {", "llama") == 7
+
+
+def test_tool_choice_and_tools_are_checked_by_name():
+    functions = functions_of([WEATHER, CLOCK])
+    assert chosen_functions(functions, "required") == ["get_weather", "get_time"]
+    assert chosen_functions(functions, {"type": "function", "function": {"name": "get_time"}}) == ["get_time"]
+    assert chosen_functions(functions, "auto") is None
+    with pytest.raises(EagletError, match="not one of the tools"):
+        chosen_functions(functions, {"type": "function", "function": {"name": "nope"}})
+    for bad, words in [([], "non-empty"), ([{"type": "function", "function": {}}], "name"),
+                       ([WEATHER, WEATHER], "second function"), ([{"type": "code"}], "tools\\[0\\]")]:
+        with pytest.raises(EagletError, match=words):
+            functions_of(bad)
+
+
+@pytest.mark.parametrize("form", ["hermes", "llama"])
+def test_a_forced_call_is_valid_and_speculation_keeps_it_exact(tmp_path, form):
+    tokenizer = tokenizer_with(tmp_path, HERMES if form == "hermes" else LLAMA)
+    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    head = generate.load_draft(DEMO / "head" / "draft.pth", target)
+    functions = functions_of([WEATHER, CLOCK])
+    for names in (["get_weather", "get_time"], ["get_time"]):
+        grammar = call_grammar(tokenizer, form, functions, names)
+        prompt = tokenizer.encode_chat([{"role": "user", "content": "def weather(city):"}], [WEATHER, CLOCK])
+        replies = []
+        for draft in (None, head):
+            constraint = Constraint(tokenizer, target.args.vocab_size, grammar)
+            result = generate.generate(target, prompt, 120, SamplingConfig(), tokenizer.eos_ids, draft=draft,
+                                       tree=TreeConfig(3, 4, 8), constraint=constraint)
+            assert constraint.done(), "the call is complete"
+            replies.append(result.tokens)
+        assert replies[0] == replies[1]
+        _, calls = parse_calls(tokenizer.decode(replies[0]), form)
+        assert len(calls) == 1 and calls[0]["function"]["name"] in names
+        arguments = json.loads(calls[0]["function"]["arguments"])
+        jsonschema.validate(arguments, functions[calls[0]["function"]["name"]])
+
+
+def test_mistral_calls_need_their_token(tmp_path):
+    with pytest.raises(EagletError, match="no such token"):
+        call_grammar(tokenizer_with(tmp_path, MISTRAL), "mistral", functions_of([WEATHER]), ["get_weather"])
+
+
+def test_the_tool_loop_through_the_openai_client(tmp_path):
+    """A forced call (non-streamed and streamed: the same call), its result sent back as a tool message, the next
+    reply; a named function; what is refused, by name."""
+    openai = pytest.importorskip("openai", reason="the official client: pip install openai")
+    from test_serve import start_server
+    (tmp_path / "t.jinja").write_text(HERMES)
+    proc, url = start_server("--chat_template", str(tmp_path / "t.jinja"))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        reply = client.chat.completions.create(model="eaglet", messages=messages, tools=[WEATHER, CLOCK],
+                                               tool_choice="required", temperature=0, max_tokens=100)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, reply
+        call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), {"get_weather": WEATHER, "get_time": CLOCK}[
+            call.function.name]["function"]["parameters"])
+        chunks = list(client.chat.completions.create(model="eaglet", messages=messages, tools=[WEATHER, CLOCK],
+                                                     tool_choice="required", temperature=0, max_tokens=100,
+                                                     stream=True))
+        streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name, call.function.arguments)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 14})}]
+        after = client.chat.completions.create(model="eaglet", messages=messages, tools=[WEATHER, CLOCK],
+                                               temperature=0, max_tokens=20)
+        assert after.usage.prompt_tokens > reply.usage.prompt_tokens and after.choices[0].finish_reason in (
+            "stop", "length", "tool_calls")
+        named = client.chat.completions.create(model="eaglet", messages=messages[:1], tools=[WEATHER, CLOCK],
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               temperature=0, max_tokens=60)
+        assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+        for kwargs, param in [({"tools": [{"type": "function", "function": {}}]}, "tools"),
+                              ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                               "tool_choice"),
+                              ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                               "tool_choice")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="eaglet", messages=messages[:1], max_tokens=5, **kwargs)
+            assert e.value.body["param"] == param
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_template_without_tools_is_refused_by_the_server():
+    openai = pytest.importorskip("openai", reason="the official client: pip install openai")
+    from test_serve import start_server
+    proc, url = start_server("--no_draft")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no tool support"):
+            client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
+        with pytest.raises(openai.BadRequestError, match="chat/completions"):
+            client.completions.create(model="eaglet", prompt="x", max_tokens=2, extra_body={"tools": [WEATHER]})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
