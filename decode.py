@@ -371,29 +371,40 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     grammar refuses, the segment ends with the tokens before it. The next segment starts from every kept token (the
     caches hold them: its prefill re-runs the last one, as a chat turn's reuse does) and its first token is
     constraint.pick of that prefill's logits -- the refused position's -- the masked pick. Drafts the grammar
-    refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here."""
+    refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here.
+    Where the grammar then forces a run of constraint.forced_min or more tokens (a schema's keys and punctuation),
+    the segment ends too and the run is taken without asking the target (constraint.forced: each is the only token
+    allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
+    forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
     prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
     t0, first_token_seconds = time.perf_counter(), None
+    fast_forward = constraint.forced_min > 0 and sampling.logprobs < 0
     while True:
-        cut, stopped = [False], [False]
+        ends, run, taken = {"cut": False, "stopped": False}, [], [0]
 
         def take(new: list):
             n = constraint.take(new)
             finished = constraint.done()  # the grammar is complete (it took an EOS or allows nothing more)
-            cut[0] = n < len(new) and not finished
-            keep = on_tokens(new[:n]) if on_tokens else None
-            stopped[0] = keep is not None or finished
-            return keep if keep is not None else (n if cut[0] or finished else None)
+            ends["cut"] = n < len(new) and not finished
+            if fast_forward and not ends["cut"] and not finished:
+                run.extend(constraint.forced(max_new_tokens - len(tokens) - taken[0] - n))
+                finished = constraint.done()
+            taken[0] += n
+            keep = on_tokens(new[:n] + run) if on_tokens else None
+            if keep is not None:  # a stop string: the run's tokens past it go too
+                del run[max(keep - n, 0):]
+            ends["stopped"] = keep is not None or finished
+            return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
         context = prompt_tokens + tokens
         segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
                            first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
         first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
-        if cut[0] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
+        if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
             raise EagletError("the grammar refused the token it had just allowed: no progress")
-        tokens += segment.tokens
+        tokens += segment.tokens + run
         accept_lengths += segment.accept_lengths
         logprobs += segment.logprobs
-        if not cut[0] or stopped[0] or len(tokens) >= max_new_tokens or (tokens and tokens[-1] in eos_ids):
+        if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
                                     logprobs)
         start_pos = len(context) + len(segment.tokens) - 1

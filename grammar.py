@@ -97,13 +97,16 @@ def one_line(text: str) -> str:
 class Constraint:
     """One generation's grammar state: which tokens may come next, the tokens it has taken, and the pick."""
 
-    def __init__(self, tokenizer: Tokenizer, n_vocab: int, grammar: str):
+    def __init__(self, tokenizer: Tokenizer, n_vocab: int, grammar: str, forced_min: int = 1):
+        """forced_min: the shortest run of forced tokens taken without the target (0: none; decode.generate_constrained)."""
         ll = llguidance()
-        self.n_vocab = n_vocab
+        self.n_vocab, self.forced_min = n_vocab, forced_min
         self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
         if self.matcher.is_error():
             raise EagletError(f"the grammar cannot be used: {self.matcher.get_error()}")
         self.cuts = 0  # positions where the target's pick was refused and the masked pick taken
+        self.forced_runs, self.forced_tokens = 0, 0  # runs of forced tokens taken without the target (forced)
+        self.last_run = []  # the run the last take() was followed by (serve.py marks those tokens)
 
     def allowed(self, device) -> Tensor:
         """bool [n_vocab]: the tokens the grammar allows next."""
@@ -121,12 +124,32 @@ class Constraint:
 
     def take(self, tokens: list) -> int:
         """Advance over the longest prefix of tokens the grammar allows; how many that is."""
+        self.last_run = []
         for n, token in enumerate(tokens):
             if not self.allows(token):
                 return n
             if not self.matcher.consume_token(token):
                 raise EagletError(f"the grammar engine refused a token its mask allowed: {self.matcher.get_error()}")
         return len(tokens)
+
+    def forced(self, limit: int) -> list:
+        """The run of tokens the grammar forces from here, taken (at most limit; none if shorter than forced_min): each
+        is the only token the mask allows at its position, so the constrained distribution there is that token with
+        probability 1 whatever the target says -- greedy or sampled, plain decoding would emit it too."""
+        run = []
+        while len(run) < limit and not self.matcher.is_stopped():
+            allowed = self.allowed("cpu")
+            if int(allowed.sum()) != 1:
+                break
+            token = int(allowed.nonzero()[0])
+            if not self.matcher.consume_token(token):
+                raise EagletError(f"the grammar engine refused the token it forced: {self.matcher.get_error()}")
+            run.append(token)
+        if len(run) < max(self.forced_min, 1):
+            self.matcher.rollback(len(run))
+            return []
+        self.forced_runs, self.forced_tokens, self.last_run = self.forced_runs + 1, self.forced_tokens + len(run), run
+        return run
 
     def pick(self, logits: Tensor, sampling: SamplingConfig) -> Tensor:
         """The next token at a position whose logits [V] are given: the target's pick if allowed, else the masked one."""

@@ -95,7 +95,7 @@ class Metrics:
         self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
                                           "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0,
                                           "constrained": 0, "constrained_cycles": 0, "constrained_emitted": 0,
-                                          "grammar_cuts": 0}
+                                          "grammar_cuts": 0, "forced_tokens": 0}
 
     def count(self, outcome: Optional[str], **values):
         with self.lock:
@@ -122,6 +122,9 @@ class Metrics:
                       f"{v['constrained_emitted'] / v['constrained_cycles'] if v['constrained_cycles'] else 0:.4f}",
                       "# HELP eaglet_grammar_cuts_total positions where the grammar refused the target's pick",
                       "# TYPE eaglet_grammar_cuts_total counter", f"eaglet_grammar_cuts_total {v['grammar_cuts']}",
+                      "# HELP eaglet_grammar_forced_tokens_total tokens the grammar forced, taken without the target",
+                      "# TYPE eaglet_grammar_forced_tokens_total counter",
+                      f"eaglet_grammar_forced_tokens_total {v['forced_tokens']}",
                       "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
                       "# TYPE eaglet_request_seconds_total counter", f"eaglet_request_seconds_total {v['seconds']:.4f}"]
             return "\n".join(lines) + "\n"
@@ -196,9 +199,10 @@ class Engine:
         state = {"stopped": False, "count": 0, "logprobs": []}  # logprobs: entries not sent yet
 
         def on_tokens(new: list):
+            forced = len(job.constraint.last_run) if job.constraint is not None else 0  # new ends with a forced run
+            cycle = len(new) - forced
             new = new[:job.max_tokens - state["count"]]
-            kept = [t for t in streamer.tokens + new[:-1] if t not in self.tokenizer.eos_ids]
-            drafted = [len(streamer.text), len(self.tokenizer.decode(kept)) - streamer.skip]
+            marks = self.marks(streamer, new[:cycle], new[cycle:])
             written = []
             streamer.write = lambda text: written.append((text, streamer.printed))
             keep = streamer(new)
@@ -207,10 +211,19 @@ class Engine:
                 keep = 0 if job.cancelled.is_set() else len(new)
             state["logprobs"] += self.logprobs(job, state["count"], new if keep is None else new[:keep])
             for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
-                job.send("text", (text, start, drafted, self.unsent(state) if i == len(written) - 1 else []))
+                job.send("text", (text, start, marks, self.unsent(state) if i == len(written) - 1 else []))
             state["count"] += len(new) if keep is None else keep
             return keep
         return streamer, state, on_tokens
+
+    def marks(self, streamer: TextStreamer, cycle: list, forced: list) -> dict:
+        """The reply's character ranges the page colours: drafted, from the cycle's accepted drafts (all its tokens but
+        the last, the target's own); forced, the tokens the grammar forced after them (only where there are some)."""
+        def end(tokens: list) -> int:
+            return len(self.tokenizer.decode([t for t in streamer.tokens + tokens if t not in self.tokenizer.eos_ids])) \
+                - streamer.skip
+        marks = {"drafted": [len(streamer.text), end(cycle[:-1])]}
+        return marks | ({"forced": [end(cycle), end(cycle + forced)]} if forced else {})
 
     def logprobs(self, job: Job, first: int, tokens: list) -> list:
         """OpenAI's chat logprobs entries of tokens, the job's tokens from index first on (EOS left out, as from the
@@ -232,10 +245,10 @@ class Engine:
 
     def finish(self, job: Job, result, streamer: TextStreamer, state: dict, cached: int, seconds: float):
         """The rest of the text, the counters, and the job's last event."""
-        streamer.write = lambda text: job.send("text", (text, streamer.printed, [0, 0], self.unsent(state)))
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, {"drafted": [0, 0]}, self.unsent(state)))
         streamer.flush()
         if state["logprobs"]:  # tokens whose text never came (held back, then cut)
-            job.send("text", ("", streamer.printed, [0, 0], self.unsent(state)))
+            job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, self.unsent(state)))
         eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
         finish = "length" if len(result.tokens) >= job.max_tokens and not (state["stopped"] or eos) else "stop"
         cycles = len(result.accept_lengths)
@@ -244,7 +257,7 @@ class Engine:
                            emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
         if job.constraint is not None:
             self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
-                               grammar_cuts=job.constraint.cuts)
+                               grammar_cuts=job.constraint.cuts, forced_tokens=job.constraint.forced_tokens)
         job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
             "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
             "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": cached}},
@@ -638,14 +651,13 @@ class Server:
         try:
             async for index, kind, value in events(jobs):
                 if kind == "text":
-                    text, start, drafted, logprobs = value  # [drafted[0], drafted[1]): characters from accepted drafts
+                    text, start, marks, logprobs = value  # marks: the reply's characters from accepted drafts, forced
                     if tool_form:  # content up to where a call starts (or may): the rest when the reply is done
                         texts[index] = texts.get(index, "") + text
                         upto = max(sent.get(index, 0), streamable(texts[index], tool_form))
                         text, sent[index] = texts[index][sent.get(index, 0):upto], upto
                     if text or logprobs:
-                        yield chunk(index, text, extra={"eaglet": {"start": start, "drafted": drafted}},
-                                    logprobs=logprobs)
+                        yield chunk(index, text, extra={"eaglet": {"start": start} | marks}, logprobs=logprobs)
                 elif kind == "done" and value is not None:
                     finished[index], finish, calls = value, value["finish_reason"], []
                     if tool_form:

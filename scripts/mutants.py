@@ -329,7 +329,7 @@ MUTANTS = [
     M("checkpoint folder: of two checkpoints, the first taken instead of both refused", "checkpoint.py",
       "        if len(found) == 1:\n", "        if found:\n"),
     M("serve: a stream's held-back text never sent (the last chunk dropped)", "serve.py",
-      "        streamer.flush()\n        eos = bool(result.tokens)", "        eos = bool(result.tokens)"),
+      "        streamer.flush()\n        if state", "        if state"),
     M("serve: a stop string ends the generation one token late", "chat.py",
       "                    self.flush()\n                    return keep",
       "                    self.flush()\n                    return min(keep + 1, len(new_tokens))"),

@@ -49,10 +49,11 @@ def demo():
     return target, tokenizer, heads
 
 
-def run(target, tokenizer, prompt: str, grammar: str, sampling=GREEDY, head=None, tree=None, n=64, **kwargs):
+def run(target, tokenizer, prompt: str, grammar: str, sampling=GREEDY, head=None, tree=None, n=64, forced_min=1,
+        **kwargs):
     if head is not None:
         target.set_feature_layers(head.feature_layers)
-    constraint = Constraint(tokenizer, target.args.vocab_size, grammar)
+    constraint = Constraint(tokenizer, target.args.vocab_size, grammar, forced_min)
     result = generate.generate(target, tokenizer.encode(prompt), n, sampling, tokenizer.eos_ids, draft=head,
                                tree=tree, constraint=constraint, **kwargs)
     return result, constraint
@@ -68,6 +69,25 @@ def test_every_reply_is_valid_and_speculative_equals_plain(demo, schema):
         assert spec.tokens == plain.tokens
         assert plain_state.done() and spec_state.done() and plain_state.cuts > 0  # the grammar did steer it
         jsonschema.validate(json.loads(tokenizer.decode(spec.tokens)), SCHEMAS[schema])
+
+
+def test_forced_tokens_taken_without_the_target_change_nothing(demo):
+    """Runs the grammar forces (a schema's keys and punctuation) taken without the target: the same tokens as when
+    every token is the target's pick, plain or speculative; fewer cycles. (Sampled, a forced token draws no random
+    number, so seeded draws differ after one; the law is the same -- a point mass there -- and
+    test_sampling_follows_the_restricted_distribution runs with forced runs on.)"""
+    target, tokenizer, heads = demo
+    grammar = grammar_of("json_schema", json.dumps(SCHEMAS[3]))
+    for head in (None, heads["head"]):
+        results = [run(target, tokenizer, PROMPTS[0], grammar, head=head, tree=TreeConfig(6, 10, 60), forced_min=forced_min)
+                   for forced_min in (0, 1)]
+        (whole, none), (fast, forced) = results
+        assert fast.tokens == whole.tokens and forced.done()
+        assert none.forced_tokens == 0 and forced.forced_tokens >= 6 and forced.forced_runs >= 2  # '{"owner":{"id":'...
+        if head is not None:  # the forced tokens are not cycles' tokens: fewer cycles
+            assert len(fast.accept_lengths) < len(whole.accept_lengths)
+    with_logprobs, state = run(target, tokenizer, PROMPTS[0], grammar, SamplingConfig(logprobs=1))
+    assert state.forced_tokens == 0 and len(with_logprobs.logprobs) == len(with_logprobs.tokens)  # each has its logits
 
 
 @pytest.mark.parametrize("head, tree", [("head3", TreeConfig(7, 10, 60)), ("dflash", TreeConfig(6, 1, 8)),

@@ -178,7 +178,12 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "tools", "cannot honour"),
+     400, "tools", "tools[0] must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     400, "functions", "cannot honour"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {
+        "name": "f", "arguments": "{oops"}}]}]}, 400, "messages", "tool_calls"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
     ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
@@ -394,6 +399,11 @@ def test_structured_output_through_the_openai_client(server, client):
     metrics = httpx.get(server + "/metrics").text
     assert int(re.search(r"eaglet_constrained_requests_total (\d+)", metrics).group(1)) >= 5
     assert int(re.search(r"eaglet_grammar_cuts_total (\d+)", metrics).group(1)) > 0
+    assert int(re.search(r"eaglet_grammar_forced_tokens_total (\d+)", metrics).group(1)) > 0
+    forced = [c.model_extra["eaglet"].get("forced") for c in client.completions.create(
+        model="eaglet", prompt="def f():\n", max_tokens=40, temperature=0, stream=True,
+        extra_body={"response_format": response_format}) if c.choices and c.choices[0].text]
+    assert any(f is not None and f[1] > f[0] for f in forced)  # the page's marks: '{"n":' is forced
 
 
 def test_allowed_origins_limits_cross_origin_pages():

@@ -1,7 +1,8 @@
 """serve.py's page in a real browser (headless Chromium through Selenium): a prompt typed into it gets the reply the
 API gives for the same conversation, greedy, and the reply carries both marks: text from drafts the target
-accepted and the target's own tokens. Skipped, saying why, where Chromium, its driver or selenium is missing
+accepted and the target's own tokens; in JSON mode, the tokens the grammar forced too. Skipped, saying why, where Chromium, its driver or selenium is missing
 (.ci/run installs them)."""
+import json
 import shutil
 
 import pytest
@@ -38,6 +39,16 @@ def test_the_page_chats_and_marks_drafted_and_target_tokens():
         assert shown == api.choices[0].message.content and shown
         assert kinds == {"drafted", "target"}
         assert "tau:" in driver.find_element(By.ID, "stats").text and "tokens/s:" in driver.find_element(By.ID, "stats").text
+        # JSON mode: the reply is JSON, and the tokens the grammar forced (its quotes, colons, braces) are marked
+        driver.find_element(By.ID, "json").click()
+        driver.find_element(By.ID, "prompt").send_keys("Describe a file as JSON.")
+        driver.find_element(By.ID, "send").click()
+        WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "log").get_attribute("data-done") == "2")
+        spans = driver.find_elements(By.CSS_SELECTOR, "#log span")
+        last_user = max(i for i, s in enumerate(spans) if s.get_attribute("class") == "user")
+        reply = spans[last_user + 1:]
+        assert "forced" in {s.get_attribute("class") for s in reply}
+        json.loads("".join(s.get_attribute("textContent") for s in reply))
     finally:
         driver.quit()
         proc.terminate()
