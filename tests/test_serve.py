@@ -179,6 +179,10 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools", "tools[0] must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, 400, "tools", "no tool support"),  # the demo's template (LLaMA-2's) never reads tools
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "chat/completions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      400, "functions", "cannot honour"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool_call_id"),

@@ -167,18 +167,3 @@ def test_the_tool_loop_through_the_openai_client(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def test_a_template_without_tools_is_refused_by_the_server():
-    openai = pytest.importorskip("openai", reason="the official client: pip install openai")
-    from test_serve import start_server
-    proc, url = start_server("--no_draft")
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="no tool support"):
-            client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
-        with pytest.raises(openai.BadRequestError, match="chat/completions"):
-            client.completions.create(model="eaglet", prompt="x", max_tokens=2, extra_body={"tools": [WEATHER]})
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
