@@ -291,6 +291,28 @@ def test_smollm2_chat_answers_paris_with_transformers_greedy_tokens(smollm2, smo
     assert run["tokens"] == expected[:len(run["tokens"])] and len(run["tokens"]) >= 6
 
 
+@pytest.mark.slow  # the real model: a conversion first
+def test_smollm2_answers_a_schema_with_valid_json(smollm2):
+    """Structured output on the real model: a chat question answered under a JSON schema is valid JSON of that schema
+    (unconstrained, this model drops a required key: BENCHMARKS.md), greedy, its grammar's forced runs taken."""
+    pytest.importorskip("llguidance", reason="structured output's grammar engine: pip install llguidance")
+    jsonschema = pytest.importorskip("jsonschema", reason="validates the reply: pip install jsonschema")
+    from grammar import Constraint, grammar_of
+    _, out = smollm2
+    model, tokenizer = load_target(out / "model.pth", "cpu", "fp32", 256), Tokenizer(out)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "country", "population"], "additionalProperties": False}
+    constraint = Constraint(tokenizer, model.args.vocab_size, grammar_of("json_schema", json.dumps(schema)))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Give the capital of France as JSON with keys city, "
+                                                                 "country and population."}])
+    result = generate.generate(model, prompt, 64, GREEDY, tokenizer.eos_ids, constraint=constraint)
+    reply = json.loads(tokenizer.decode(result.tokens))
+    jsonschema.validate(reply, schema)
+    assert reply["city"] == "Paris" and constraint.done() and constraint.forced_tokens > 0
+
+
 @pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 def test_smollm2_speculative_equals_plain_with_any_head(smollm2, tmp_path):
     """A random EAGLE head on the real model (dequantized, fp32): what it drafts is almost always wrong, and
