@@ -245,6 +245,6 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_slots: int,
         if room < args.max_new_tokens and len(result.tokens) == room:
             print(f"\n(reply cut at {room} tokens: the cache is full)", end="")
         show(result)
-        cached = prompt + result.tokens[:-1]  # the last token was sampled but never fed back
+        cached = prompt + result.tokens[:len(result.tokens) - result.uncached]
         messages.append({"role": "assistant", "content": streamer.text if args.stop else
                          tokenizer.decode(result.tokens)})

@@ -57,6 +57,8 @@ class GenerationResult:
     accept_lengths: list = field(default_factory=list)  # tokens emitted per cycle (speculative only)
     first_token_seconds: float = 0.0  # time to first token: the prefill (and the head's first pass), read back
     logprobs: list = field(default_factory=list)  # with sampling.logprobs = k: per token (logprob, [(id, logprob)] * k)
+    uncached: int = 1  # the last tokens whose K/V the cache lacks: the last one, sampled and never fed back (or a run
+    # of forced tokens after it); a next turn reusing the cache starts before them
 
     @property
     def tokens_per_s(self) -> float:
@@ -406,7 +408,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
         logprobs += segment.logprobs
         if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
-                                    logprobs)
+                                    logprobs, len(run) + 1 if segment.tokens else len(run))
         start_pos = len(context) + len(segment.tokens) - 1
 
 
@@ -506,6 +508,8 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     change. A result's seconds run until its own row was done.
     """
     prompts = [one_prompt(p) for p in prompts]
+    if sampling.logprobs >= 0:
+        raise EagletError("logprobs are read one prompt at a time (generate), not in a batch")
     tree = tree or TreeConfig()
     for prompt in prompts:
         check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)

@@ -280,7 +280,7 @@ class Engine:
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
                           constraint=job.constraint, scores=job.scores)
         if not job.cancelled.is_set():
-            self.cached = job.prompt + result.tokens[:-1]  # the last token was sampled but never fed back
+            self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)
 
     def run_batch(self, jobs: list):
@@ -541,7 +541,7 @@ class Server:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
         constraint = partial(self.call_constraint, tool_form, tools, calls) if calls else partial(self.constraint_of, body)
-        if calls and any(body.get(name) is not None for name in GRAMMAR_FIELDS):
+        if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
             raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
                                 "(or regex, grammar), not both", "tool_choice")
         constraint()  # refused now if it cannot be compiled; each job gets its own state below
@@ -643,8 +643,7 @@ class Server:
             else:
                 choice["text"] = text or ""
                 if wants_logprobs and logprobs is not None:
-                    choice["logprobs"] = completion_logprobs(logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(e["token"]) for e in logprobs)
+                    choice["logprobs"], offsets[index] = completion_logprobs(logprobs, offsets.get(index, b""))
                 else:
                     choice["logprobs"] = None
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
@@ -703,20 +702,24 @@ class Server:
                     message, finish = {"role": "assistant", "content": text, "tool_calls": calls}, "tool_calls"
                 content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
             else:
-                content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)}
+                content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)[0]}
             choices.append({"index": index, **content, "finish_reason": finish})
         stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": usage(jobs, done), "eaglet": stats}
 
 
-def completion_logprobs(entries: list, offset: int = 0) -> dict:
-    """Chat logprobs entries in the completions' shape: tokens, token_logprobs, top_logprobs (token -> logprob) and
-    text_offset (each token's first character in the text; offset: the characters before these tokens)."""
-    starts = [offset + sum(len(e["token"]) for e in entries[:i]) for i in range(len(entries))]
+def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
+    """Chat logprobs entries in the completions' shape -- tokens, token_logprobs, top_logprobs (token -> logprob) and
+    text_offset, each token's first character in the text, counted over the bytes before it (before: the reply's
+    bytes ahead of these entries), so a character split over several tokens counts once -- and the bytes so far."""
+    starts = []
+    for e in entries:
+        starts.append(len(before.decode("utf-8", errors="ignore")))  # a character not yet whole: not counted yet
+        before += bytes(e["bytes"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": starts}
+            "text_offset": starts}, before
 
 
 def usage(jobs: list, done: dict) -> dict:

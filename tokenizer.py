@@ -59,6 +59,7 @@ class Tokenizer:
         sp_file = path if path.is_file() and path.suffix == ".model" else checkpoint_dir / "tokenizer.model"
         tok_config = read_json(checkpoint_dir / "tokenizer_config.json")
         self.hf = self.sp = None
+        self.tool_template = None  # a checkpoint's template named tool_use, rendered when a request gives tools
         if json_file.is_file():
             from tokenizers import Tokenizer as HFTokenizer
             self.hf = read_tokenizer(HFTokenizer.from_file, json_file)
@@ -74,7 +75,7 @@ class Tokenizer:
         self.eos_ids = self._eos_ids(checkpoint_dir)
         self.chat_template, self.chat_template_source = self._pick_template(checkpoint_dir, tok_config, chat_template)
         self.template_kwargs = dict(template_kwargs or {})
-        taken = set(self.template_kwargs) & {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+        taken = set(self.template_kwargs) & {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
         if taken:
             raise EagletError(f"chat template variables {sorted(taken)} are set by eaglet itself, not by kwargs")
 
@@ -107,8 +108,10 @@ class Tokenizer:
         for name, config in [("tokenizer_config.json", tok_config),
                              ("chat_template.json", read_json(checkpoint_dir / "chat_template.json"))]:
             template = config.get("chat_template")
-            if isinstance(template, list):  # a list of named templates: take the default one
-                template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+            if isinstance(template, list):  # named templates: the default one; tool_use for requests with tools
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                self.tool_template = named.get("tool_use")
+                template = named.get("default") or template[0]["template"]
             if template:
                 return template, str(checkpoint_dir / name)
         name = "vicuna" if "vicuna" in str(checkpoint_dir).lower() else "llama2"
@@ -146,8 +149,9 @@ class Tokenizer:
         env = template_environment()
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
         extra = {} if tools is None else {"tools": tools}
+        template = self.tool_template if tools is not None and self.tool_template else self.chat_template
         try:
-            text = env.from_string(self.chat_template).render(
+            text = env.from_string(template).render(
                 **self.template_kwargs, **extra, messages=messages, add_generation_prompt=True,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
@@ -159,7 +163,8 @@ class Tokenizer:
         import jinja2
         from jinja2 import meta
         try:
-            return "tools" in meta.find_undeclared_variables(template_environment().parse(self.chat_template))
+            template = self.tool_template or self.chat_template
+            return "tools" in meta.find_undeclared_variables(template_environment().parse(template))
         except jinja2.TemplateError:
             return False
 
@@ -181,7 +186,7 @@ def template_environment():
     """The sandboxed jinja2 environment chat templates are rendered in, as Hugging Face renders them: its tojson is
     json.dumps (jinja2's own escapes < > & as \\u003c..., text no template was trained on)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     return env

@@ -27,7 +27,7 @@ def call_format(tokenizer: Tokenizer) -> str:
     if not tokenizer.takes_tools():
         raise EagletError(f"the chat template ({tokenizer.chat_template_source}) has no tool support: it never reads "
                           "the tools it would be given (serve with --chat_template FILE.jinja, one that does)")
-    template = tokenizer.chat_template
+    template = tokenizer.tool_template or tokenizer.chat_template
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
@@ -65,7 +65,8 @@ def chosen_functions(functions: dict, tool_choice) -> Optional[list]:
         return None
     if tool_choice == "required":
         return list(functions)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
         raise EagletError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
                           '{"name": ...}}')
@@ -78,9 +79,10 @@ def call_grammar(tokenizer: Tokenizer, form: str, functions: dict, names: list) 
     """A grammar whose every sentence is one call, in the template's format, of one of names with arguments its
     schema accepts (a Lark grammar with llguidance's inline %json)."""
     arguments = "parameters" if form == "llama" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments: functions[name]},
-              "required": ["name", arguments], "additionalProperties": False} for name in names]
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    definitions = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments: hoisted(functions[name], i, definitions)},
+              "required": ["name", arguments], "additionalProperties": False} for i, name in enumerate(names)]
+    call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | ({"$defs": definitions} if definitions else {})
     if form == "hermes":
         lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call | {"x-guidance": JSON_EXACT})}'
     elif form == "llama":
@@ -90,8 +92,24 @@ def call_grammar(tokenizer: Tokenizer, form: str, functions: dict, names: list) 
         if marker is None:
             raise EagletError("the chat template writes [TOOL_CALLS], but the tokenizer has no such token")
         listed = {"type": "array", "items": call, "minItems": 1, "maxItems": 1, "x-guidance": JSON_EXACT}
-        lark = f'start: <[{marker}]> " " calls\ncalls: %json {json.dumps(listed)}'
+        lark = f'start: <[{marker}]> " "? calls\ncalls: %json {json.dumps(listed)}'
     return grammar_of("lark", lark)
+
+
+def hoisted(schema: dict, i: int, definitions: dict) -> dict:
+    """A function's parameters schema nested inside the call's: its own definitions ($defs, or draft-07's definitions)
+    moved into definitions (the root's $defs) as f{i}_NAME and every reference to them rewritten, since a pointer like
+    #/$defs/Loc is read from the root of the whole schema."""
+    own = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    renamed = {f"#/{where}/{name}": f"#/$defs/f{i}_{name}" for where in ("$defs", "definitions") for name in own}
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else rewrite(v))
+                    for k, v in node.items() if k not in ("$defs", "definitions") or node is not schema}
+        return [rewrite(v) for v in node] if isinstance(node, list) else node
+    definitions.update({f"f{i}_{name}": rewrite(value) for name, value in own.items()})
+    return rewrite(schema)
 
 
 def parse_calls(text: str, form: str) -> tuple:
@@ -111,11 +129,16 @@ def parse_calls(text: str, form: str) -> tuple:
         arguments = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
         if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or not isinstance(arguments, dict):
             return text, []
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+        calls.append({"id": call_id(form), "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
     if not calls:
         return text, []
     return (content if content.strip() else None), calls
+
+
+def call_id(form: str) -> str:
+    """A new call's id: OpenAI's call_ and 24 hex digits; Mistral's templates refuse any id but 9 letters and digits."""
+    return uuid.uuid4().hex[:9] if form == "mistral" else "call_" + uuid.uuid4().hex[:24]
 
 
 def list_items(body: str) -> list:

@@ -90,6 +90,21 @@ def test_forced_tokens_taken_without_the_target_change_nothing(demo):
     assert state.forced_tokens == 0 and len(with_logprobs.logprobs) == len(with_logprobs.tokens)  # each has its logits
 
 
+def test_a_reply_ending_in_a_forced_run_says_which_tokens_the_cache_lacks(demo):
+    """A regex whose end is forced: the reply's last tokens were taken without a forward, so the cache holds the
+    prompt and the reply but those (result.uncached); a next turn that reuses the cache from there gets the tokens a
+    fresh prefill gives (serve.py and the interactive chat reuse it so)."""
+    target, tokenizer, heads = demo
+    grammar = grammar_of("regex", "    return [a-z]{1,8} # the final answer to it all\n")
+    result, state = run(target, tokenizer, PROMPTS[0], grammar, head=heads["head"], tree=TreeConfig(3, 4, 8))
+    assert state.done() and result.uncached == len(state.last_run) + 1 > 2
+    context = tokenizer.encode(PROMPTS[0]) + result.tokens + tokenizer.encode("\ndef", bos=False)
+    reused = generate.generate(target, context, 12, GREEDY, start_pos=len(context) - len(tokenizer.encode("\ndef", bos=False))
+                               - result.uncached)
+    fresh = generate.generate(target, context, 12, GREEDY)
+    assert reused.tokens == fresh.tokens
+
+
 @pytest.mark.parametrize("head, tree", [("head3", TreeConfig(7, 10, 60)), ("dflash", TreeConfig(6, 1, 8)),
                                         ("dflash", TreeConfig(6, 4, 16)), ("dspark", TreeConfig(6, 1, 8)),
                                         ("dspark", TreeConfig(6, 4, 16))])

@@ -108,7 +108,10 @@ def test_scores_list_is_filled_before_on_tokens_sees_the_tokens(demo):
     assert scores == result.logprobs and len(chunks) > 1
 
 
-def test_logprobs_out_of_range_is_refused():
+def test_logprobs_out_of_range_or_in_a_batch_are_refused(demo):
     for k in (-2, 21):
         with pytest.raises(EagletError, match="logprobs"):
             SamplingConfig(logprobs=k)
+    target, tokenizer, _ = demo
+    with pytest.raises(EagletError, match="one prompt at a time"):
+        generate.generate_batch(target, [tokenizer.encode(p) for p in PROMPTS], 4, SamplingConfig(logprobs=0))

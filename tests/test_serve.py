@@ -457,6 +457,15 @@ def test_prompt_lists_and_n_choices(client, reference):
     assert roles == ["assistant", "assistant"]  # each choice's first chunk
 
 
+def test_text_offsets_count_a_character_split_over_tokens_once():
+    from serve import completion_logprobs
+    entries = [{"token": t, "bytes": list(b), "logprob": -1.0, "top_logprobs": []}
+               for t, b in [("a", b"a"), ("\ufffd", b"\xc3"), ("\ufffd", b"\xa9"), ("b", b"b")]]
+    shaped, seen = completion_logprobs(entries)
+    assert shaped["text_offset"] == [0, 1, 1, 2] and seen.decode() == "a\u00e9b"
+    assert completion_logprobs(entries[3:], seen[:-1])[0]["text_offset"] == [2]
+
+
 def test_logprobs_equal_a_plain_forward_streamed_or_not(client, reference):
     """logprobs as the official client reads them, chat (logprobs, top_logprobs) and completions (logprobs: k): one
     entry per token of the reply, its bytes spelling the reply, its logprob and top alternatives those of one plain

@@ -82,6 +82,32 @@ def test_replies_parse_into_calls_in_each_format():
     assert streamable("  {", "llama") == 0 and streamable("Hello {", "llama") == 7
 
 
+def test_parameters_with_their_own_definitions_and_mistral_ids(tmp_path):
+    """A pydantic-made parameters schema ($defs and $ref) keeps its references inside the call's grammar; Mistral's
+    templates take only 9-character ids; a checkpoint's template named tool_use is the one rendered with tools."""
+    place = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+             "additionalProperties": False, "$defs": {"Place": {"type": "object", "properties": {
+                 "city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False}}}
+    tokenizer = tokenizer_with(tmp_path, HERMES)
+    grammar = call_grammar(tokenizer, "hermes", {"go": place}, ["go"])
+    constraint = Constraint(tokenizer, tokenizer.vocab_size, grammar)
+    text = '<tool_call>\n{"name":"go","arguments":{"where":{"city":"Oslo"}}}\n</tool_call>'
+    assert constraint.take(tokenizer.encode(text, bos=False)) > 0 and not constraint.matcher.is_error()
+    assert parse_calls('[{"name": "a", "arguments": {}}]', "mistral")[1][0]["id"].isalnum()
+    assert len(parse_calls('[{"name": "a", "arguments": {}}]', "mistral")[1][0]["id"]) == 9
+    folder = tmp_path / "named"
+    folder.mkdir()
+    for name in ("tokenizer.model", "config.json"):
+        (folder / name).write_bytes((DEMO / "target" / name).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": HERMES}]}))
+    named = Tokenizer(folder)
+    assert named.takes_tools() and call_format(named) == "hermes"
+    text = named.decode(named.encode_chat([{"role": "user", "content": "hi"}], [WEATHER]))
+    assert "get_weather" in text and named.decode(named.encode_chat([{"role": "user", "content": "hi"}])) == "hi"
+
+
 def test_tool_choice_and_tools_are_checked_by_name():
     functions = functions_of([WEATHER, CLOCK])
     assert chosen_functions(functions, "required") == ["get_weather", "get_time"]
@@ -89,6 +115,9 @@ def test_tool_choice_and_tools_are_checked_by_name():
     assert chosen_functions(functions, "auto") is None
     with pytest.raises(EagletError, match="not one of the tools"):
         chosen_functions(functions, {"type": "function", "function": {"name": "nope"}})
+    for bad in ({"type": "function", "function": "get_time"}, {"type": "function", "function": None}, "always"):
+        with pytest.raises(EagletError, match="tool_choice must be"):
+            chosen_functions(functions, bad)
     for bad, words in [([], "non-empty"), ([{"type": "function", "function": {}}], "name"),
                        ([WEATHER, WEATHER], "second function"), ([{"type": "code"}], "tools\\[0\\]")]:
         with pytest.raises(EagletError, match=words):
