@@ -237,12 +237,12 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
     Its embedding is kept only when the config sets target_hidden_size (a head narrower or wider than its
     target) or embed_requires_grad (a trained one); t2d is checked against d2t, then dropped."""
     args, flags = head_args(config), eagle3_flags(config, str(checkpoint_dir))
-    feature_layer_ids(config, str(checkpoint_dir))  # checked here too: the target is not known yet
+    ids = feature_layer_ids(config, str(checkpoint_dir))  # checked here too: the target is not known yet
     if not any(k.startswith("midlayer.") for k in weights):  # speculators' name for the one layer
         for k in [k for k in weights if k.startswith("layers.0.")]:
             weights["midlayer." + k[len("layers.0."):]] = dict.pop(weights, k)  # moved, not read
     embed, t2d, d2t = weights.pop("embed_tokens.weight", None), weights.pop("t2d", None), weights.pop("d2t", None)
-    norms = [f"fc_norm.{i}.weight" for i in range(3)] if flags.fc_norm else []
+    norms = [f"fc_norm.{i}.weight" for i in range(len(ids or (0, 0, 0)))] if flags.fc_norm else []
     norms += ["input_norm.weight"] if flags.norm_before_fc else []
     try:
         out = {"fc.weight": weights.pop("fc.weight"), "norm.weight": weights.pop("norm.weight"),
@@ -270,6 +270,12 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
                                 and 0 <= target_ids.min() and target_ids.max() < args.vocab_size
                                 and t2d.bool()[target_ids].all()):
         raise EagletError(f"{checkpoint_dir}: t2d and d2t disagree about the draft vocabulary")
+    if config.get("speculators_model_type") == "peagle":  # what its mask positions read in place of features
+        width = out["fc.weight"].shape[1]
+        mask_hidden = weights.pop("mask_hidden", None)
+        if mask_hidden is None or mask_hidden.numel() != width:
+            raise EagletError(f"{checkpoint_dir}: a P-EAGLE head needs mask_hidden, {width} values (fc's input)")
+        out["mask_hidden"] = mask_hidden.reshape(1, 1, width)
     if embed is not None and (config.get("target_hidden_size") or config.get("embed_requires_grad") is True):
         if tuple(embed.shape) != (args.vocab_size, args.dim):
             raise EagletError(f"{checkpoint_dir}: embed_tokens {tuple(embed.shape)} does not match config.json")

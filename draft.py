@@ -1,10 +1,10 @@
-"""Draft heads (EAGLE-1/2, EAGLE-3, DFlash and DSpark): the building blocks the draft trees (draft_tree.py) are made from.
+"""Draft heads (EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash and DSpark): the building blocks the draft trees (draft_tree.py) are made from.
 
 EAGLE-1/2: one LLaMA decoder layer without its input norm, fed fc(cat(embed(x_{t+1}), f_t)), where f_t is
 the target's last hidden state (after its final norm). Its output h_t goes to the TARGET's lm_head and
 doubles as the estimate of f_{t+1}. It shares the target's embedding and lm_head.
 
-EAGLE-3: the target's hidden states entering three of its layers, fused by fc (3 x dim -> dim); one layer
+EAGLE-3: the target's hidden states entering three of its layers (or more), fused by fc (3 x dim -> dim); one layer
 whose attention reads cat(norm(embed(x_{t+1})), norm(x)); its own norm and lm_head over a smaller draft
 vocabulary, mapped to target ids by d2t. During tree expansion a node's input x is its parent's output.
 Published EAGLE-3 heads come in EAGLE's and SpecForge's flat layout or in speculators' nested one (head_config),
@@ -15,6 +15,8 @@ values also come from fc(the target's hidden states of several layers); B-1 draf
 
 DSpark: DFlash's block with every row drafting, and a Markov head that adds to each row's logits a low-rank bias
 from the token drafted before it (and a confidence head).
+
+P-EAGLE: an EAGLE-3 head that drafts a block of positions in one pass, mask positions after the root's pair.
 
 Every head is a DraftHead: the cycle calls its catch_up(), and the tree kind its step() and topk() (a block
 drafter: block_states(), next_logits() and cut()), so the cycle has no branch per head kind.
@@ -178,12 +180,14 @@ class Eagle3Draft(DraftHead):
     default_depth = 7
 
     def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool,
-                 flags: Eagle3Flags = Eagle3Flags()):
+                 flags: Eagle3Flags = Eagle3Flags(), n_features: int = 3):
+        """n_features: the target layers it reads (EAGLE's three; speculators' heads may read more)."""
         super().__init__(args)
         self.flags = flags
-        self.fc = nn.Linear(3 * target_dim, args.dim, bias=False)
-        self.fc_norm = nn.ModuleList(RMSNorm(target_dim, args.norm_eps) for _ in range(3)) if flags.fc_norm else None
-        self.input_norm = RMSNorm(3 * target_dim, args.norm_eps) if flags.norm_before_fc else None
+        self.fc = nn.Linear(n_features * target_dim, args.dim, bias=False)
+        self.fc_norm = nn.ModuleList(RMSNorm(target_dim, args.norm_eps) for _ in range(n_features)) \
+            if flags.fc_norm else None
+        self.input_norm = RMSNorm(n_features * target_dim, args.norm_eps) if flags.norm_before_fc else None
         self.layer = Eagle3Layer(args, flags.norm_before_residual)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False)
@@ -201,11 +205,12 @@ class Eagle3Draft(DraftHead):
         return self.norm(h) if self.flags.norm_output else h
 
     def fuse(self, features: Tensor) -> Tensor:
-        """fc over the target's features [..., 3 x target dim], after the norms the head's flags ask for."""
+        """fc over the target's features [..., n x target dim], after the norms the head's flags ask for."""
         if self.input_norm is not None:
             features = self.input_norm(features)
         if self.fc_norm is not None:
-            features = torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+            features = torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(len(self.fc_norm), dim=-1))],
+                                 dim=-1)
         return self.fc(features)
 
     def logits(self, target: Transformer, h: Tensor) -> Tensor:
@@ -213,6 +218,55 @@ class Eagle3Draft(DraftHead):
 
     def lm_head_module(self, target: Transformer) -> nn.Module:
         return self.lm_head
+
+
+class PEagleDraft(Eagle3Draft):
+    """P-EAGLE: an EAGLE-3 head trained to draft a block of positions in one pass. Its catch-up is EAGLE-3's (the
+    committed pairs' K/V; h_last, the root pair's output, drafts the token after the root); the block is the
+    mask positions after the root pair, each reading the head's embedding of mask_token_id and fc(mask_hidden) in
+    place of a token and the target's features, and attending to the context (the root pair included) and to the
+    mask positions before it: mask position d drafts the token d + 1 after the root. A block drafter, so the
+    lattice grows the chain or the tree from its rows; a row's logits do not depend on the token before it."""
+
+    default_topk = 1  # a chain of the block, as vLLM runs it
+    first_row = 0  # the root pair's own output drafts the first token
+
+    def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool,
+                 flags: Eagle3Flags, n_features: int, block_size: int, mask_token_id: int):
+        super().__init__(args, target_dim, draft_vocab_size, own_embedding, flags, n_features)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_features * target_dim))
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+
+    @property
+    def max_levels(self) -> int:
+        return self.block_size
+
+    @property
+    def default_depth(self) -> int:
+        return self.block_size - 1
+
+    def block_states(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int,
+                     h_last: Optional[Tensor] = None) -> Tensor:
+        """The rows of levels drafts [..., levels, dim]: h_last, then the levels - 1 mask positions at ctx_len..,
+        their K/V in scratch slots after the context (the next catch-up overwrites them)."""
+        n = levels - 1
+        if n == 0:
+            return h_last[..., None, :]
+        tokens = torch.full((*root.shape, n), self.mask_token_id, dtype=root.dtype, device=root.device)
+        pos = ctx_len[..., None] + torch.arange(n, device=ctx_len.device)
+        inputs = self.fuse(self.mask_hidden[0]).expand(*tokens.shape, -1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=root.device).tril()
+        h = self.step(target, tokens, inputs, pos, pos, attention_mask(ctx_len, causal, self.max_seq_length))
+        return torch.cat([h_last[..., None, :], h], dim=-2)
+
+    def next_logits(self, row_logits: Tensor, prev: Tensor) -> Tensor:
+        return row_logits
+
+    def cut(self, row_state: Tensor, prev: Tensor):
+        return None
+
+    def tree_grid(self) -> tuple:
+        return DFlashDraft.tree_grid(self)
 
 
 class DFlashDraft(DraftHead):
@@ -277,10 +331,11 @@ class DFlashDraft(DraftHead):
             layer.attention.kv_cache.update(pos, k, v)
         return take(context, n_accepted[..., None])[..., 0, :]
 
-    def block_states(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int) -> Tensor:
+    def block_states(self, target: Transformer, root: Tensor, ctx_len: Tensor, levels: int,
+                     h_last: Optional[Tensor] = None) -> Tensor:
         """The block [root, mask...] at positions ctx_len.. (root the anchor, at its own position), long enough for
         levels drafts -> the final-normed outputs of its draft rows [..., levels, dim] (root and ctx_len 0-d, or
-        [B] for a batch)."""
+        [B] for a batch). h_last is not read: the block has its own anchor row."""
         n = self.first_row + levels
         masks = torch.full((*root.shape, n - 1), self.mask_token_id, dtype=root.dtype, device=root.device)
         tokens = torch.cat([root[..., None], masks], dim=-1)

@@ -111,7 +111,7 @@ class TreeConfig:
     def expand(self, target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor) -> DraftTree:
         if is_block_drafter(head):
             check_block(head, self.depth)
-            children = lattice(target, head, root, ctx_len, self.depth + 1, self.topk)
+            children = lattice(target, head, root, ctx_len, h_last, self.depth + 1, self.topk)
             return grow_lattice(children, root, self.depth + 1, self.topk, self.total_tokens)
         return build_tree(partial(head.step, target), partial(head.topk, target), h_last, root, ctx_len,
                           self.topk, self.depth, self.total_tokens, target.max_seq_length)
@@ -158,13 +158,13 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
                        torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
 
 
-def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, levels: int, k: int):
+def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor, levels: int, k: int):
     """A block drafter's children function from ONE pass of its block: children(i, prev [..., m]) -> the k best
     drafts at level i after each prev token (log-probabilities and target ids [..., m, k]). Level i's logits are
     block row i's, once through the lm_head, then head.next_logits(row, prev): DFlash's the same after every prev,
     DSpark's with the Markov bias of prev (the node's own token: each branch scored exactly). Drafts the head's
     confidence cuts get log-probability -inf: never verified as drafts (accept() skips them)."""
-    states = head.block_states(target, root, ctx_len, levels)
+    states = head.block_states(target, root, ctx_len, levels, h_last)
     rows = head.logits(target, states)  # [..., levels, vocab]: the lm_head read once
 
     def children(i, prev):
@@ -328,7 +328,7 @@ class StaticTree:
         logp = torch.zeros(*batch, self.total_tokens, device=root.device)
         if is_block_drafter(head):  # one pass: a node's drafts are its level's block row's, after its parent
             check_block(head, self.depth - 1)
-            children = lattice(target, head, root, ctx_len, self.depth, self.topk)
+            children = lattice(target, head, root, ctx_len, h_last, self.depth, self.topk)
             for d, level in enumerate(t["levels"]):
                 child_logp, child_ids = children(d, tokens[..., t["parents"][level["tree"]]])  # [..., nodes, k]
                 rank = level["rank"].expand(*batch, -1)[..., None]

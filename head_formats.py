@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import EagletError, load_state_dict, mismatch_detail, read_config
-from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, Eagle3Flags, EagleDraft
+from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, Eagle3Flags, EagleDraft, PEagleDraft
 from model import ModelArgs
 from quantize import pack_quantized, pop_quantization, use_quantized_linears
 
@@ -69,12 +69,35 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
                           f"{target.vocab_size}")
     draft_vocab = state_dict["lm_head.weight"].shape[0]
     ids = draft_to_target(state_dict.pop("d2t"), draft_vocab, target.vocab_size, where)
+    feature_layers = eagle3_feature_layers(config, target.n_layer, where)
     with torch.device("meta"):
-        model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where))
+        if config.get("speculators_model_type") == "peagle":
+            model = PEagleDraft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where),
+                                len(feature_layers), *peagle_block(config, target, where))
+        else:
+            model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where),
+                                len(feature_layers))
     assign_weights(model, state_dict, where)
-    model.draft_to_target = ids
-    model.feature_layers = eagle3_feature_layers(config, target.n_layer, where)
+    model.draft_to_target, model.feature_layers = ids, feature_layers
     return model
+
+
+def peagle_block(config: dict, target: ModelArgs, where: str) -> tuple:
+    """A P-EAGLE head's (block_size, mask_token_id): the drafts its proposal makes in one pass (speculators_config's
+    speculative_tokens, the depth it was trained to) and the token its mask positions read."""
+    settings = config.get("speculators_config") if isinstance(config.get("speculators_config"), dict) else {}
+    methods = settings.get("proposal_methods") or [{}]
+    default = next((m for m in methods if isinstance(m, dict) and m.get("proposal_type") == settings.get(
+        "default_proposal_method")), methods[0])
+    block = default.get("speculative_tokens") if isinstance(default, dict) else None
+    if type(block) is not int or block < 1:
+        raise EagletError(f"{where}: a P-EAGLE head needs speculators_config's proposal speculative_tokens (the drafts "
+                          f"one pass makes), a positive integer; got {block!r}")
+    mask = config.get("mask_token_id")
+    if type(mask) is not int or not 0 <= mask < target.vocab_size:
+        raise EagletError(f"{where}: a P-EAGLE head needs mask_token_id, a token of the target's {target.vocab_size}; "
+                          f"got {mask!r}")
+    return block, mask
 
 
 def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, target: ModelArgs,
@@ -114,8 +137,8 @@ def block_settings(config: dict, args: ModelArgs, target: ModelArgs, where: str)
     top = config
     if kind is not None:
         if kind not in ("dflash", "dspark"):
-            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, dflash "
-                              "and dspark heads")
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, peagle, "
+                              "dflash and dspark heads")
         if type(config.get("sample_from_anchor")) is not bool:
             raise EagletError(f"{where}: a speculators {kind} head without sample_from_anchor (true or false): whether "
                               "the anchor's row drafts too, which engines have read both ways (a head read the wrong "
@@ -236,9 +259,9 @@ def eagle3_feature_layers(config: dict, n_layer: int, where: str) -> tuple:
     (SpecForge and SGLang: "+ 1"); head_config has put speculators' ids (layer inputs) in these terms."""
     ids = feature_layer_ids(config, where)
     layers = tuple(k + 1 for k in ids) if ids else (2, n_layer // 2, n_layer - 3)
-    if len(layers) != 3 or not all(0 <= i <= n_layer for i in layers):
+    if not all(0 <= i <= n_layer for i in layers):
         raise EagletError(f"{where} reads the target's layers {list(layers)}, which a {n_layer}-layer target "
-                          "does not have three of")
+                          "does not all have")
     if not ids and not layers[0] < layers[1] < layers[2]:  # a shallow target: the defaults repeat or go back
         raise EagletError(f"{where}: on a {n_layer}-layer target the default EAGLE-3 feature layers 2, L//2, "
                           f"L-3 are {list(layers)}, not three distinct layers in order; name the ones the head "
@@ -248,7 +271,8 @@ def eagle3_feature_layers(config: dict, n_layer: int, where: str) -> tuple:
 
 
 def feature_layer_ids(config: dict, where: str):
-    """eagle_config.eagle_aux_hidden_state_layer_ids checked: None (not set) or a list of three ints."""
+    """eagle_config.eagle_aux_hidden_state_layer_ids checked: None (not set) or a list of ints (EAGLE's heads read
+    three layers; speculators' may read more, its fc as wide as they are)."""
     eagle_config = config.get("eagle_config") or {}
     if not isinstance(eagle_config, dict):
         raise EagletError(f"{where}: eagle_config must be a JSON object, got {eagle_config!r}")
@@ -257,9 +281,8 @@ def feature_layer_ids(config: dict, where: str):
         return None
     if not isinstance(ids, list) or not all(type(k) is int for k in ids):
         raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer numbers, got {ids!r}")
-    if len(ids) != 3:
-        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids names {len(ids)} target layers; eaglet runs "
-                          "EAGLE-3 heads that read three")
+    if not ids:
+        raise EagletError(f"{where}: eagle_aux_hidden_state_layer_ids names no target layers")
     return ids
 
 
@@ -293,9 +316,9 @@ def head_config(config: dict, where: str) -> dict:
         return config
     flat = dict(config)
     if kind is not None:
-        if kind != "eagle3":
-            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, dflash "
-                              "and dspark heads")
+        if kind not in ("eagle3", "peagle"):
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, peagle, "
+                              "dflash and dspark heads")
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")

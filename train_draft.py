@@ -93,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark"], default="eagle",
                    help="EAGLE-1/2, EAGLE-3, DFlash or DSpark head")
     p.add_argument("--feature_layers", type=int_flag(1), nargs="+", default=None,
-                   help="EAGLE-3 (three) and DFlash (any number): the target layers whose input the head reads "
+                   help="EAGLE-3 and DFlash (any number): the target layers whose input the head reads "
                         "(EAGLE-3 default: 2, L//2, L-3; L: the last layer's output; DFlash default: one per draft "
                         "layer, spread from the input of layer 2 to that of layer L - 2)")
     helps = {"steps": "optimizer steps", "batch_size": "sequences per step",
@@ -503,11 +503,13 @@ def new_eagle3_head(target: Transformer, draft_ids: torch.Tensor, config: dict, 
     vocabulary), and fc passes the deepest feature through, so the head starts from the target's logit lens."""
     device, dim = target.output.weight.device, target.args.dim
     torch.manual_seed(seed)
-    head = Eagle3Draft(head_args(config), dim, len(draft_ids), own_embedding=False).to(device)
+    feature_layers = eagle3_feature_layers(config, target.args.n_layer, "the EAGLE-3 head")
+    head = Eagle3Draft(head_args(config), dim, len(draft_ids), own_embedding=False,
+                       n_features=len(feature_layers)).to(device)
     for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
-    head.feature_layers = eagle3_feature_layers(config, target.args.n_layer, "the EAGLE-3 head")
+    head.feature_layers = feature_layers
     deepest = head.feature_layers.index(max(head.feature_layers))
     with torch.no_grad():
         lm_head = target.output  # an int8 lm_head (a quantized target) starts the head dequantized

@@ -121,7 +121,7 @@ def agreeing(draft: DFlashDraft, truth: list, seed: int = 0, p: float = 0.6):
     seen, g, level = [], torch.Generator().manual_seed(seed), [0]
     block_states, topk_of_logits = draft.block_states, draft.topk_of_logits
 
-    def recording(target, root, ctx_len, levels):
+    def recording(target, root, ctx_len, levels, h_last=None):
         h = block_states(target, root, ctx_len, levels)
         seen.append((int(root), int(ctx_len), target.output(h)))
         level[0] = 0

@@ -56,7 +56,7 @@ def recording(draft, tree, truth: list, seed: int = 0, p: float = 0.6) -> list:
     passes, g = [], torch.Generator().manual_seed(seed)
     block_states, next_logits, expand = draft.block_states, draft.next_logits, tree.expand
 
-    def states(target, root, ctx_len, levels):
+    def states(target, root, ctx_len, levels, h_last=None):
         passes.append({"root": int(root), "ctx": int(ctx_len), "levels": []})
         return block_states(target, root, ctx_len, levels)
 

@@ -193,7 +193,7 @@ def test_errors(checkpoints, tmp_path):
     # a target too shallow for the default feature layers 2, L//2, L-3
     shallow, _ = checkpoints("llama2")
     random_eagle3_head(tmp_path / "head")
-    with pytest.raises(EagletError, match="does not have three of"):
+    with pytest.raises(EagletError, match="does not all have"):
         load_draft(tmp_path / "head" / "draft.pth", load_target(shallow / "model.pth", "cpu", "fp32", 64))
     # neither kind of head
     neither = tmp_path / "neither"

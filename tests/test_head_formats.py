@@ -63,6 +63,9 @@ CASES = {
                                        feature_layers=(1, 4, 6)),
     "speculators-qwen3": Case("speculators", ids=[1, 4, 6], flags={"norm_before_residual": True},
                               layer_type="qwen3", feature_layers=(1, 4, 6)),
+    # speculators names as many target layers as the head was trained on (its fc as wide as they are)
+    "speculators-five-layers": Case("speculators", ids=[0, 2, 3, 5, 7], flags={"norm_before_residual": True,
+                                                                         "fc_norm": True}, feature_layers=(0, 2, 3, 5, 7)),
     # an embedding trained with the head (not the target's): the head keeps its own
     "speculators-trained-embedding": Case("speculators", ids=[1, 4, 6],
                                           flags={"norm_before_residual": True, "embed_requires_grad": True},
@@ -81,7 +84,8 @@ def head_weights(case: Case, embed: torch.Tensor, seed=0) -> dict:
         return 1 + 0.4 * torch.randn(n, generator=g)
     p = "layers.0." if case.layout == "speculators" else "midlayer."
     target_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
-    w = {"fc.weight": rnd(HIDDEN, 3 * HIDDEN, s=0.08), f"{p}input_layernorm.weight": norm(HIDDEN),
+    n = len(case.ids or (0, 0, 0))  # the target layers it reads
+    w = {"fc.weight": rnd(HIDDEN, n * HIDDEN, s=0.08), f"{p}input_layernorm.weight": norm(HIDDEN),
          f"{p}hidden_norm.weight": norm(HIDDEN), f"{p}post_attention_layernorm.weight": norm(HIDDEN),
          f"{p}self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, 2 * HIDDEN),
          f"{p}self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
@@ -95,9 +99,9 @@ def head_weights(case: Case, embed: torch.Tensor, seed=0) -> dict:
     if case.layer_type == "qwen3":
         w.update({f"{p}self_attn.q_norm.weight": norm(HEAD_DIM), f"{p}self_attn.k_norm.weight": norm(HEAD_DIM)})
     if case.flags.get("fc_norm"):
-        w.update({f"fc_norm.{i}.weight": norm(HIDDEN) for i in range(3)})
+        w.update({f"fc_norm.{i}.weight": norm(HIDDEN) for i in range(n)})
     if case.flags.get("norm_before_fc"):
-        w["input_norm.weight"] = norm(3 * HIDDEN)
+        w["input_norm.weight"] = norm(n * HIDDEN)
     if case.layout != "eagle":  # SpecForge and speculators save their (frozen) copy of the target's embedding
         w["embed_tokens.weight"] = embed + rnd(*embed.shape, s=0.5) * case.flags.get("embed_requires_grad", False)
     return w
@@ -190,13 +194,14 @@ def reference(w: dict, config: dict, case: Case, embeds, x, positions, flags=Non
 
 
 def reference_fuse(w: dict, config: dict, case: Case, features, flags=None):
-    """fc over the three features [T, 3 x HIDDEN], after the norms the flags name."""
+    """fc over the n features [T, n x HIDDEN], after the norms the flags name."""
     flags = {name: bool(config.get(name, False)) for name in FLAGS} if flags is None else flags
     eps = (config["transformer_layer_config"] if case.layout == "speculators" else config)["rms_norm_eps"]
     if flags["norm_before_fc"]:
         features = rms(features, w["input_norm.weight"], eps)
     if flags["fc_norm"]:
-        features = torch.cat([rms(f, w[f"fc_norm.{i}.weight"], eps) for i, f in enumerate(features.chunk(3, -1))], -1)
+        n = features.shape[-1] // HIDDEN
+        features = torch.cat([rms(f, w[f"fc_norm.{i}.weight"], eps) for i, f in enumerate(features.chunk(n, -1))], -1)
     return features @ w["fc.weight"].T
 
 
@@ -302,13 +307,13 @@ REFUSED = {  # id: (the head folder, what the one line of convert_hf_checkpoint.
     "speculators without norm_before_residual": (edit("speculators", lambda c: c.pop("norm_before_residual")),
                                                  "norm_before_residual is not set"),
     "speculators head of another algorithm": (edit("speculators", lambda c: c.update(speculators_model_type="mtp")),
-                                              "speculators_model_type 'mtp'; eaglet reads speculators' eagle3, dflash "
-                                              "and dspark heads"),
+                                              "speculators_model_type 'mtp'; eaglet reads speculators' eagle3, peagle, "
+                                              "dflash and dspark heads"),
     "speculators layer of another model_type": (
         edit("speculators", lambda c: c["transformer_layer_config"].update(model_type="mistral")),
         "transformer_layer_config model_type 'mistral'"),
-    "four feature layers": (edit("speculators", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4])),
-                            "eagle_aux_hidden_state_layer_ids names 4 target layers"),
+    "no feature layers": (edit("speculators", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[])),
+                          "eagle_aux_hidden_state_layer_ids names no target layers"),
     "feature layers not numbers": (edit("specforge", lambda c: c.update(eagle_config={
         "eagle_aux_hidden_state_layer_ids": ["1", 2, 3]})), "must be a list of layer numbers"),
     "top-level and eagle_config ids disagree": (

@@ -186,13 +186,13 @@ def test_errors(checkpoints, tmp_path):
     def fails(extra, match, out="h"):
         expect_error(base + ["--out_dir", str(tmp_path / out)] + extra, match, main=train_draft.main)
     fails(["--draft_vocab_size", "97"], "--draft_vocab_size 97 exceeds the target's vocabulary (96)")
-    fails(["--feature_layers", "1", "4", "9"], "which a 8-layer target does not have three of")
+    fails(["--feature_layers", "1", "4", "9"], "which a 8-layer target does not all have")
     fails(["--feature_layers", "0", "4", "5"], "--feature_layers: must be at least 1")
     fails(["--unroll_steps", "0"], "unroll_steps must be at least 1")
     fails(["--step_decay", "0"], "step_decay must be above 0")
     fails(["--data", str(tmp_path / "missing.txt")], "data file not found")
     expect_error(["--checkpoint_path", str(shallow / "model.pth"), "--data", str(text), "--out_dir", str(tmp_path / "s"),
-                  "--head", "eagle3", "--device", "cpu"], "a 2-layer target does not have three of", main=train_draft.main)
+                  "--head", "eagle3", "--device", "cpu"], "a 2-layer target does not all have", main=train_draft.main)
     eagle = [a for a in base if a not in ("--head", "eagle3")] + ["--out_dir", str(tmp_path / "e")]
     expect_error(eagle + ["--draft_vocab_size", "32"], "are for EAGLE-3 heads", main=train_draft.main)
     # a train_state.pt of one kind of head is not resumed as another
