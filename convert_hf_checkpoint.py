@@ -250,6 +250,8 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
                "layer.hidden_norm.weight": weights.pop("midlayer.hidden_norm.weight"),
                "layer.embed_norm.weight": weights.pop("midlayer.input_layernorm.weight")}
         out.update(convert_layer(weights, "midlayer.", "layer."))
+        for i in range(1, args.n_layer):  # speculators' later layers: plain decoder layers
+            out.update(convert_layer(weights, f"layers.{i}.", f"decoder_layers.{i - 1}."))
         out.update({k: weights.pop(k) for k in norms})
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")

@@ -180,8 +180,9 @@ class Eagle3Draft(DraftHead):
     default_depth = 7
 
     def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool,
-                 flags: Eagle3Flags = Eagle3Flags(), n_features: int = 3):
-        """n_features: the target layers it reads (EAGLE's three; speculators' heads may read more)."""
+                 flags: Eagle3Flags = Eagle3Flags(), n_features: int = 3, n_layers: int = 1):
+        """n_features: the target layers it reads (EAGLE's three; speculators' heads may read more); n_layers:
+        its layers, the EAGLE-3 layer and then plain decoder layers (speculators' heads may have several)."""
         super().__init__(args)
         self.flags = flags
         self.fc = nn.Linear(n_features * target_dim, args.dim, bias=False)
@@ -189,9 +190,13 @@ class Eagle3Draft(DraftHead):
             if flags.fc_norm else None
         self.input_norm = RMSNorm(n_features * target_dim, args.norm_eps) if flags.norm_before_fc else None
         self.layer = Eagle3Layer(args, flags.norm_before_residual)
+        self.decoder_layers = nn.ModuleList(TransformerBlock(args) for _ in range(n_layers - 1))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False)
         self.embed = nn.Embedding(args.vocab_size, args.dim) if own_embedding else None
+
+    def blocks(self) -> list:
+        return [self.layer, *self.decoder_layers]
 
     def step(self, target: Transformer, tokens, inputs, input_pos, slots, mask) -> Tensor:
         """inputs: target features (3 x target dim, fused by fc) or the head's own earlier outputs (used as is);
@@ -202,6 +207,8 @@ class Eagle3Draft(DraftHead):
         x = inputs if inputs.shape[-1] == self.args.dim else self.fuse(inputs)
         cos, sin = self.rope(input_pos, x.dtype)
         h = self.layer(embeds, x, cos, sin, slots, mask)
+        for block in self.decoder_layers:
+            h = block(h, cos, sin, slots, mask)
         return self.norm(h) if self.flags.norm_output else h
 
     def fuse(self, features: Tensor) -> Tensor:
@@ -232,8 +239,8 @@ class PEagleDraft(Eagle3Draft):
     first_row = 0  # the root pair's own output drafts the first token
 
     def __init__(self, args: ModelArgs, target_dim: int, draft_vocab_size: int, own_embedding: bool,
-                 flags: Eagle3Flags, n_features: int, block_size: int, mask_token_id: int):
-        super().__init__(args, target_dim, draft_vocab_size, own_embedding, flags, n_features)
+                 flags: Eagle3Flags, n_features: int, block_size: int, mask_token_id: int, n_layers: int = 1):
+        super().__init__(args, target_dim, draft_vocab_size, own_embedding, flags, n_features, n_layers)
         self.mask_hidden = nn.Parameter(torch.zeros(1, 1, n_features * target_dim))
         self.block_size, self.mask_token_id = block_size, mask_token_id
 

@@ -73,10 +73,10 @@ def eagle3_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
     with torch.device("meta"):
         if config.get("speculators_model_type") == "peagle":
             model = PEagleDraft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where),
-                                len(feature_layers), *peagle_block(config, target, where))
+                                len(feature_layers), *peagle_block(config, target, where), n_layers=args.n_layer)
         else:
             model = Eagle3Draft(args, target_dim, draft_vocab, own_embedding, eagle3_flags(config, where),
-                                len(feature_layers))
+                                len(feature_layers), args.n_layer)
     assign_weights(model, state_dict, where)
     model.draft_to_target, model.feature_layers = ids, feature_layers
     return model
@@ -383,9 +383,11 @@ def head_kind(config: dict, keys, where: str) -> str:
         raise EagletError(f"{where}: an EAGLE-3 head with its weights under model. ({nested[0]}, ...), a layout "
                           "eaglet does not read (EAGLE's and SpecForge's heads have midlayer.*, "
                           "speculators' layers.0.*)")
-    if "fc.weight" not in keys or config.get("num_hidden_layers", 1) != 1:
+    stacked = config.get("speculators_model_type") in ("eagle3", "peagle")  # its first layer, then decoder layers
+    if "fc.weight" not in keys or (config.get("num_hidden_layers", 1) != 1 and not stacked):
         why = "no fc.weight" if "fc.weight" not in keys else \
-            f"num_hidden_layers {config['num_hidden_layers']}; eaglet runs heads of one layer"
+            f"num_hidden_layers {config['num_hidden_layers']}; eaglet runs heads of one layer (but speculators' " \
+            "EAGLE-3 heads of several)"
         raise EagletError(f"{where} is neither an EAGLE-1/2 nor an EAGLE-3 draft head eaglet runs ({why})")
     if "d2t" in keys or any(k.startswith(("midlayer.", "layer.hidden_norm", "layers.0.hidden_norm")) for k in keys):
         return "eagle3"

@@ -284,20 +284,12 @@ def edit(case_name, config_edit=None, weights_edit=None):
     return make
 
 
-def second_layer(weights):
-    weights.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in list(weights.items())
-                    if k.startswith("layers.0.")})
-
-
 def under_model(weights):
     for k in list(weights):
         weights["model." + k] = weights.pop(k)
 
 
 REFUSED = {  # id: (the head folder, what the one line of convert_hf_checkpoint.py must say)
-    "speculators head with two layers": (
-        edit("speculators", lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), second_layer),
-        "num_hidden_layers 2; eaglet runs heads of one layer"),
     "SpecForge head with two layers": (edit("specforge", lambda c: c.update(num_hidden_layers=2)),
                                        "num_hidden_layers 2; eaglet runs heads of one layer"),
     "fc_norm and norm_before_fc": (edit("speculators-eagle3.1", lambda c: c.update(norm_before_fc=True)),

@@ -1,7 +1,7 @@
 """P-EAGLE heads (speculators' "peagle": an EAGLE-3 head drafting a block of positions in one pass, mask positions
 after the root's pair) as speculators saves them: the drafts of every block row equal what speculators' own model
 code computes for that rollout; decoding stays exact (chain and tree, compiled, batch rows); heads that do not fit
-are refused by name."""
+are refused by name. speculators' EAGLE-3 heads of several layers, which P-EAGLE's share, decode exactly too."""
 import json
 
 import pytest
@@ -21,23 +21,25 @@ speculators = pytest.importorskip("speculators", reason="the speculators package
                                                         "installed")
 
 
-def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_output=False):
-    """A P-EAGLE head written by speculators' save_pretrained with random weights (large enough to tell rows apart),
-    converted; and speculators' model, the oracle."""
+def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_output=False, n_layers=1, kind="peagle"):
+    """A P-EAGLE head (kind "eagle3": speculators' EAGLE-3 head) written by speculators' save_pretrained with random
+    weights (large enough to tell rows apart), converted; and speculators' model, the oracle."""
     from transformers import LlamaConfig
     from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    layer = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+    layer = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=n_layers,
                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
                         max_position_embeddings=2048)
     layer._attn_implementation = "eager"
-    settings = SpeculatorsConfig(algorithm="peagle", default_proposal_method="greedy",
+    settings = SpeculatorsConfig(algorithm=kind, default_proposal_method="greedy",
                                  proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
                                  verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]))
-    oracle = PEagleDraftModel(PEagleSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=draft_vocab, eagle_aux_hidden_state_layer_ids=list(ids),
-        mask_token_id=MASK, norm_before_residual=True, norm_output=norm_output, speculators_config=settings))
+    common = dict(transformer_layer_config=layer, draft_vocab_size=draft_vocab, eagle_aux_hidden_state_layer_ids=list(ids),
+                  norm_before_residual=True, norm_output=norm_output, speculators_config=settings)
+    oracle = PEagleDraftModel(PEagleSpeculatorConfig(**common, mask_token_id=MASK)) if kind == "peagle" else \
+        Eagle3DraftModel(Eagle3SpeculatorConfig(**common))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in oracle.named_parameters():
@@ -48,7 +50,7 @@ def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_outpu
         t2d = torch.zeros(VOCAB, dtype=torch.bool)
         t2d[kept] = True
         oracle.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab))
-    folder = tmp_path / f"peagle-{draft_vocab}-{norm_output}"
+    folder = tmp_path / f"{kind}-{draft_vocab}-{norm_output}-{n_layers}"
     oracle.eval().save_pretrained(str(folder))
     convert(folder, log=lambda *_: None)
     return folder, oracle
@@ -79,10 +81,11 @@ def oracle_rows(oracle, hf, committed: list, root: int, monkeypatch) -> torch.Te
     return torch.cat([logits[seq - 1:seq], logits[seq:]])
 
 
-@pytest.mark.parametrize("draft_vocab, norm_output", [(VOCAB, False), (40, False), (40, True)])
-def test_block_rows_draft_what_speculators_computes(target8, tmp_path, monkeypatch, draft_vocab, norm_output):
+@pytest.mark.parametrize("draft_vocab, norm_output, n_layers", [(VOCAB, False, 1), (40, False, 1), (40, True, 1),
+                                                                (40, False, 2)])
+def test_block_rows_draft_what_speculators_computes(target8, tmp_path, monkeypatch, draft_vocab, norm_output, n_layers):
     target_dir, hf = target8
-    folder, oracle = peagle_head(tmp_path, draft_vocab, norm_output=norm_output)
+    folder, oracle = peagle_head(tmp_path, draft_vocab, norm_output=norm_output, n_layers=n_layers)
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     assert isinstance(draft, PEagleDraft) and draft.block_size == BLOCK and draft.max_levels == BLOCK
@@ -116,6 +119,20 @@ def test_decoding_stays_exact_chain_tree_compiled_and_batched(target8, tmp_path)
         assert row.tokens == generate.generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
     with pytest.raises(Exception, match=f"trained on blocks of {BLOCK}"):
         generate.generate(model, prompts[0], 8, SamplingConfig(), draft=draft, tree=TreeConfig(BLOCK, 1, BLOCK + 2))
+
+
+def test_speculators_eagle3_heads_of_several_layers_decode_exactly(target8, tmp_path):
+    """speculators' EAGLE-3 heads may stack decoder layers after the first (as its P-EAGLE heads do): run as the
+    head's steps, each layer with its own cache, the tree decodes as plain decoding does."""
+    target_dir, _ = target8
+    folder, _ = peagle_head(tmp_path, 40, n_layers=3, kind="eagle3")
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(folder / "draft.pth", model)
+    assert len(draft.blocks()) == 3 and not isinstance(draft, PEagleDraft)
+    for prompt in ([1, 5, 9], [1, 7, 8, 30, 31, 2]):
+        plain = generate.generate(model, prompt, 24, SamplingConfig())
+        spec = generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
+        assert spec.tokens == plain.tokens
 
 
 def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path):
