@@ -119,6 +119,14 @@ def test_decoding_stays_exact_chain_tree_compiled_and_batched(target8, tmp_path)
         assert row.tokens == generate.generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
     with pytest.raises(Exception, match=f"trained on blocks of {BLOCK}"):
         generate.generate(model, prompts[0], 8, SamplingConfig(), draft=draft, tree=TreeConfig(BLOCK, 1, BLOCK + 2))
+    import quantize  # the head in int8 (its mask_hidden kept as it is): still exact
+    quantize.main(["--checkpoint_path", str(folder / "draft.pth"), "--mode", "int8"])
+    small = load_target(target_dir / "model.pth", "cpu", "fp32", 160)
+    int8 = load_draft(folder / "draft_int8.pth", small)
+    assert isinstance(int8, PEagleDraft) and int8.mask_hidden.dtype == torch.float32
+    plain = generate.generate(small, prompts[1], 24, SamplingConfig())
+    assert generate.generate(small, prompts[1], 24, SamplingConfig(), draft=int8, tree=TreeConfig(3, 3, 10)).tokens == \
+        plain.tokens
 
 
 def test_speculators_eagle3_heads_of_several_layers_decode_exactly(target8, tmp_path):
