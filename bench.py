@@ -72,10 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--draft_checkpoint_path", type=Path,
                    help="its draft.pth, EAGLE-1/2, EAGLE-3, DFlash or DSpark (default: demo/head/draft.pth for the demo, "
                         "else a random head of --random_head's kind and the target's shape)")
-    p.add_argument("--random_head", choices=["eagle", "dflash", "dspark"], default="eagle",
+    p.add_argument("--random_head", choices=["eagle", "dflash", "dspark", "peagle"], default="eagle",
                    help="the random head when no draft.pth is given: EAGLE-1/2, DFlash as published (5 layers, "
-                        "blocks of 16, features of 5 layers) or DSpark as published for Qwen3-8B (5 layers, blocks "
-                        "of 7 every row drafting, Markov rank 256); its tau means nothing, its cycle's cost does")
+                        "blocks of 16, features of 5 layers), DSpark as published for Qwen3-8B (5 layers, blocks "
+                        "of 7 every row drafting, Markov rank 256) or P-EAGLE as speculators makes one by default "
+                        "(one layer, 3 feature layers, 8 drafts a pass, a draft vocabulary of 32,000); its tau means "
+                        "nothing, its cycle's cost does")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: as generate.py (draft_vocab.json beside the head, else on a target of more than "
@@ -141,7 +143,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
-from draft import DFlashDraft, DraftHead, DSparkDraft, EagleDraft, head_name as draft_kind  # noqa: E402
+from draft import (DFlashDraft, DraftHead, DSparkDraft, Eagle3Flags, EagleDraft, PEagleDraft,  # noqa: E402
+                   head_name as draft_kind)
 from head_formats import dflash_layer_ids  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, keep_new, run_calls,
@@ -185,9 +188,26 @@ def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_s
     return draft
 
 
+def random_peagle(target: Transformer, device, dtype, block_size: int = 8, draft_vocab: int = 32000) -> PEagleDraft:
+    """A random P-EAGLE head as speculators makes one by default: one EAGLE-3 layer of the target's width over the
+    features of 3 target layers (2, L//2, L-3), 8 drafts a pass, its own embedding and an lm_head over a draft
+    vocabulary of 32,000 (or the whole vocabulary if smaller). The target is set to return the features."""
+    n, draft_vocab = target.args.n_layer, min(draft_vocab, target.args.vocab_size)
+    layers = tuple(sorted({max(0, min(k, n)) for k in (2, n // 2, n - 3)}))  # fewer on a target of a few layers
+    draft = random_module(PEagleDraft, target.args, device, dtype, target_dim=target.args.dim,
+                          draft_vocab_size=draft_vocab, own_embedding=True, flags=Eagle3Flags(norm_before_residual=True),
+                          n_features=len(layers), block_size=block_size, mask_token_id=target.args.vocab_size - 1)
+    draft.draft_to_target = torch.arange(draft_vocab, device=device)
+    draft.feature_layers = layers
+    target.set_feature_layers(draft.feature_layers)
+    return draft
+
+
 def random_head(kind: str, target: Transformer, device, dtype) -> DraftHead:
     if kind == "dspark":  # deepseek-ai/dspark_qwen3_8b_block7's shape
         return random_dflash(target, device, dtype, block_size=7, markov_rank=256)
+    if kind == "peagle":
+        return random_peagle(target, device, dtype)
     return random_dflash(target, device, dtype) if kind == "dflash" else random_module(EagleDraft, target.args, device, dtype)
 
 
@@ -840,7 +860,8 @@ def load_models(args, device: str, group=None, paths: tuple = ()):
 
 
 def head_name(args, draft) -> str:
-    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else draft_kind(draft) if isinstance(draft, DFlashDraft) else "EAGLE-3"
+    kind = "EAGLE-1/2" if isinstance(draft, EagleDraft) else \
+        draft_kind(draft) if isinstance(draft, (DFlashDraft, PEagleDraft)) else "EAGLE-3"
     return f"{args.draft_checkpoint_path} ({kind})" if args.draft_checkpoint_path else \
         f"random weights of the target's shape ({kind}, tau means nothing)"
 

@@ -163,3 +163,14 @@ def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(Exception, match="needs mask_hidden"):
         convert(folder, log=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_bench_times_a_random_peagle_head(tmp_path):
+    import bench
+    bench.main(["--model", "tiny", "--random_head", "peagle", "--device", "cpu", "--repeats", "1", "--side_tokens", "8",
+                "--max_seq_length", "512", "--out", str(tmp_path / "b")])
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert results["setup"]["tree"] == {"depth": 7, "topk": 1, "total_tokens": 9}  # the chain of its 8 drafts
+    assert results["cycle"]["draft_passes"] == 1 and "PEagle" in results["setup"]["head"]
+    assert results["side_by_side"]["eaglet EAGLE-2"]["same_tokens_as_plain"]
