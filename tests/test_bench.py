@@ -505,9 +505,11 @@ def test_the_tree_depth_defaults_to_the_heads_own(tmp_path):
     convert(target), convert(head)
     base = ["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path", str(head), "--device", "cpu",
             "--tree_topk", "4", "--total_tokens", "16", "--repeats", "1", "--side_tokens", "8", "--max_seq_length", "512"]
-    for extra, depth in (([], 7), (["--depth", "3"], 3)):
-        bench.main(base + extra + ["--out", str(tmp_path / f"r{depth}")])
-        assert json.loads((tmp_path / f"r{depth}.json").read_text())["setup"]["tree"]["depth"] == depth
+    bench.main(base + ["--out", str(tmp_path / "r7")])
+    assert json.loads((tmp_path / "r7.json").read_text())["setup"]["tree"]["depth"] == 7
+    args = bench.parse_args(base + ["--depth", "3"])  # the flag wins (the same function picks the tree)
+    assert bench.flags_tree(args, load_draft(head / "draft.pth", load_target(target / "model.pth", "cpu", "fp32", 64))
+                            ).depth == 3
 
 
 @pytest.mark.slow
