@@ -21,7 +21,8 @@ speculators = pytest.importorskip("speculators", reason="the speculators package
                                                         "installed")
 
 
-def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_output=False, n_layers=1, kind="peagle"):
+def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_output=False, n_layers=1, kind="peagle",
+                vocab=VOCAB, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, inter=INTER, mask=MASK):
     """A P-EAGLE head (kind "eagle3": speculators' EAGLE-3 head) written by speculators' save_pretrained with random
     weights (large enough to tell rows apart), converted; and speculators' model, the oracle."""
     from transformers import LlamaConfig
@@ -29,8 +30,8 @@ def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_outpu
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    layer = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=n_layers,
-                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+    layer = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
                         max_position_embeddings=2048)
     layer._attn_implementation = "eager"
     settings = SpeculatorsConfig(algorithm=kind, default_proposal_method="greedy",
@@ -38,16 +39,16 @@ def peagle_head(tmp_path, draft_vocab: int, ids=(1, 3, 5, 7), seed=0, norm_outpu
                                  verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]))
     common = dict(transformer_layer_config=layer, draft_vocab_size=draft_vocab, eagle_aux_hidden_state_layer_ids=list(ids),
                   norm_before_residual=True, norm_output=norm_output, speculators_config=settings)
-    oracle = PEagleDraftModel(PEagleSpeculatorConfig(**common, mask_token_id=MASK)) if kind == "peagle" else \
+    oracle = PEagleDraftModel(PEagleSpeculatorConfig(**common, mask_token_id=mask)) if kind == "peagle" else \
         Eagle3DraftModel(Eagle3SpeculatorConfig(**common))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in oracle.named_parameters():
             scale = 0.4 if name.endswith("norm.weight") else 1.0 if name in ("lm_head.weight", "mask_hidden") else 0.15
             p.copy_((1 if name.endswith("norm.weight") else 0) + scale * torch.randn(p.shape, generator=g))
-    if draft_vocab < VOCAB:
-        kept = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values
-        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    if draft_vocab < vocab:
+        kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[kept] = True
         oracle.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab))
     folder = tmp_path / f"{kind}-{draft_vocab}-{norm_output}-{n_layers}"
@@ -163,6 +164,28 @@ def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path):
     save_file(weights, folder / "model.safetensors")
     with pytest.raises(Exception, match="needs mask_hidden"):
         convert(folder, log=lambda *_: None)
+
+
+def test_sampling_with_a_peagle_head_matches_the_target_distribution(tmp_path):
+    """Sampled output follows the target's own distribution over whole sequences (chi-square), with a P-EAGLE tree
+    whose drafts are accepted at times."""
+    from collections import Counter
+    from conftest import STAT_SAMPLES, make_agreeing_pair
+    from test_sampling import N_TOKENS, PROMPT, VOCAB as V, chi_square_p_below, exact_distribution
+    target, _, _ = make_agreeing_pair(tmp_path, vocab=V, hidden=16, alpha=2.5, layer_scale=20.0, lm_head_noise=1.0)
+    convert(target, log=lambda *_: None)
+    folder, _ = peagle_head(tmp_path, V, ids=(0, 1, 2), vocab=V, hidden=16, heads=4, kv_heads=2, head_dim=4, inter=32,
+                            mask=V - 1)
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    draft = load_draft(folder / "draft.pth", model)
+    sampling, counts, lengths = SamplingConfig(temperature=1.0), Counter(), []
+    for i in range(STAT_SAMPLES):
+        torch.manual_seed(i)
+        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
+        counts[tuple(result.tokens)] += 1
+        lengths += result.accept_lengths
+    assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
+    assert not chi_square_p_below(counts, exact_distribution(target, sampling))
 
 
 @pytest.mark.slow
