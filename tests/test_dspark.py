@@ -210,9 +210,8 @@ def test_greedy_equals_plain_on_an_int8_target_in_a_batch_and_compiled(target8, 
 @pytest.mark.slow
 @pytest.mark.stat
 def test_sampling_with_a_dspark_head_matches_the_target_distribution(tmp_path):
-    from collections import Counter
-    from conftest import STAT_SAMPLES, make_agreeing_pair
-    from test_sampling import N_TOKENS, PROMPT, VOCAB as V, chi_square_p_below, exact_distribution
+    from conftest import make_agreeing_pair
+    from test_sampling import VOCAB as V, check_sampled_sequences
     target, _, _ = make_agreeing_pair(tmp_path, vocab=V, hidden=16, alpha=2.5, layer_scale=20.0, lm_head_noise=1.0)
     convert(target)
     g = torch.Generator().manual_seed(0)
@@ -228,14 +227,7 @@ def test_sampling_with_a_dspark_head_matches_the_target_distribution(tmp_path):
     convert(head)
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
     draft = load_draft(head / "draft.pth", model)
-    sampling, counts, lengths = SamplingConfig(temperature=1.0), Counter(), []
-    for i in range(STAT_SAMPLES):
-        torch.manual_seed(i)
-        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
-        counts[tuple(result.tokens)] += 1
-        lengths += result.accept_lengths
-    assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
-    assert not chi_square_p_below(counts, exact_distribution(target, sampling))
+    check_sampled_sequences(target, model, draft, TreeConfig(2, 3, 8))
 
 
 # ---- speculators' layout, held to speculators' own model code -----------------------------------------------

@@ -169,23 +169,15 @@ def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path):
 def test_sampling_with_a_peagle_head_matches_the_target_distribution(tmp_path):
     """Sampled output follows the target's own distribution over whole sequences (chi-square), with a P-EAGLE tree
     whose drafts are accepted at times."""
-    from collections import Counter
-    from conftest import STAT_SAMPLES, make_agreeing_pair
-    from test_sampling import N_TOKENS, PROMPT, VOCAB as V, chi_square_p_below, exact_distribution
+    from conftest import make_agreeing_pair
+    from test_sampling import VOCAB as V, check_sampled_sequences
     target, _, _ = make_agreeing_pair(tmp_path, vocab=V, hidden=16, alpha=2.5, layer_scale=20.0, lm_head_noise=1.0)
     convert(target, log=lambda *_: None)
     folder, _ = peagle_head(tmp_path, V, ids=(0, 1, 2), vocab=V, hidden=16, heads=4, kv_heads=2, head_dim=4, inter=32,
                             mask=V - 1)
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
     draft = load_draft(folder / "draft.pth", model)
-    sampling, counts, lengths = SamplingConfig(temperature=1.0), Counter(), []
-    for i in range(STAT_SAMPLES):
-        torch.manual_seed(i)
-        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
-        counts[tuple(result.tokens)] += 1
-        lengths += result.accept_lengths
-    assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
-    assert not chi_square_p_below(counts, exact_distribution(target, sampling))
+    check_sampled_sequences(target, model, draft, TreeConfig(2, 3, 8))
 
 
 @pytest.mark.slow

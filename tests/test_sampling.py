@@ -75,6 +75,19 @@ def speculative_samples(model, draft, sampling):
     return counts
 
 
+def check_sampled_sequences(target_dir, model, draft, tree):
+    """STAT_SAMPLES seeded speculative generations at temperature 1: some drafts were accepted (the acceptance rule
+    ran), and the sequences follow the target's exact distribution (chi-square)."""
+    sampling, counts, lengths = SamplingConfig(temperature=1.0), Counter(), []
+    for i in range(STAT_SAMPLES):
+        torch.manual_seed(i)
+        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=tree)
+        counts[tuple(result.tokens)] += 1
+        lengths += result.accept_lengths
+    assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
 def chi_square_p_below(counts, dist, alpha=1e-3):
     """True when the counts are unlikely (p < alpha) under dist. Bins expecting < 5 are pooled."""
     n = sum(counts.values())
