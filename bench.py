@@ -143,8 +143,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from chat import write_output  # noqa: E402
-from draft import (DFlashDraft, DraftHead, DSparkDraft, Eagle3Flags, EagleDraft, PEagleDraft,  # noqa: E402
-                   head_name as draft_kind)
+from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, PEagleDraft, XPressDraft  # noqa: E402
+from draft import DraftHead, Eagle3Flags, EagleDraft, head_name as draft_kind  # noqa: E402
 from head_formats import dflash_layer_ids  # noqa: E402
 from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
                     cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, keep_new, run_calls,

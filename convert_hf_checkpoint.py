@@ -288,8 +288,9 @@ def convert_eagle3_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
 
 
 def convert_dflash_head(checkpoint_dir: Path, config: dict, weights: dict) -> dict:
-    """A DFlash or DSpark head: fc, hidden_norm, norm and its Qwen3 layers (keys with or without a leading "model."),
-    a DSpark head's Markov and confidence heads, and a speculators head's own lm_head and d2t over a smaller draft
+    """A DFlash, DSpark, DFlash2 or XPress head: fc, hidden_norm, norm and its Qwen3 layers (keys with or without a
+    leading "model."), a DSpark head's Markov and confidence heads, DFlash2's convolutions and candidate selector,
+    XPress's refiner, and a speculators head's own lm_head and d2t over a smaller draft
     vocabulary. Copies of the target's embedding and lm_head (DeepSpec's files carry both) are not kept: each
     becomes a probe (head_formats.probe) that loading checks against the target's own."""
     for k in [k for k in weights if k.startswith("model.")]:
@@ -301,7 +302,9 @@ def convert_dflash_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
             out.update(convert_layer(weights, f"layers.{i}.", f"layers.{i}."))
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
-    out.update({k: weights.pop(k) for k in [k for k in weights if k.startswith(("markov_head.", "confidence_head."))]})
+    extras = ("markov_head.", "confidence_head.", "candidate_selector.", "refiner_head.")  # DSpark's, DFlash2's, XPress's
+    convs = tuple(f"layers.{i}.{conv}_conv." for i in range(args.n_layer) for conv in ("attention", "mlp"))  # DFlash2's
+    out.update({k: weights.pop(k) for k in [k for k in weights if k.startswith(extras + convs)]})
     if config.get("draft_vocab_size", args.vocab_size) < args.vocab_size:  # speculators' own draft vocabulary
         missing = [k for k in ("lm_head.weight", "d2t") if k not in weights]
         if missing:

@@ -14,7 +14,7 @@ dynamic tree (from a block drafter, grown over its block's lattice), and StaticT
 
 Heads give building blocks, not trees: an EAGLE head step() (one draft pass over tokens paired with features)
 and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash, DSpark: block_size
-set) block_states(), its block's draft rows from ONE pass, and next_logits(), a row's logits after a given token.
+set) draft_rows(), its block's draft rows from ONE pass, and next_logits(), a row's logits after a given token.
 
 Imports attention.py and model.py; draft.py and decode.py import this file. (Not named tree.py: torch.compile
 skips a module of that name, taking it for the dm-tree package, and the cycle would not compile.)
@@ -161,14 +161,14 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
 def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor, levels: int, k: int):
     """A block drafter's children function from ONE pass of its block: children(i, prev [..., m]) -> the k best
     drafts at level i after each prev token (log-probabilities and target ids [..., m, k]). Level i's logits are
-    block row i's, once through the lm_head, then head.next_logits(row, prev): DFlash's the same after every prev,
-    DSpark's with the Markov bias of prev (the node's own token: each branch scored exactly). Drafts the head's
+    block row i's (once through the lm_head; XPress's refined), then head.next_logits(row, prev, state): DFlash's the
+    same after every prev, DSpark's with the Markov bias of prev, DFlash2's candidates rescored after prev (the
+    node's own token: each branch scored exactly). Drafts the head's
     confidence cuts get log-probability -inf: never verified as drafts (accept() skips them)."""
-    states = head.block_states(target, root, ctx_len, levels, h_last)
-    rows = head.logits(target, states)  # [..., levels, vocab]: the lm_head read once
+    states, rows = head.draft_rows(target, root, ctx_len, levels, h_last)  # rows [..., levels, vocab]
 
     def children(i, prev):
-        logp, ids = head.topk_of_logits(head.next_logits(rows[..., i, None, :], prev), k)
+        logp, ids = head.topk_of_logits(head.next_logits(rows[..., i, None, :], prev, states[..., i, None, :]), k)
         cut = head.cut(states[..., i, None, :], prev)
         if cut is not None:
             logp = logp.masked_fill(cut[..., None], float("-inf"))

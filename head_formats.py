@@ -1,4 +1,4 @@
-"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3, DFlash and DSpark heads (their configs made flat,
+"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3 (and P-EAGLE), DFlash, DSpark, DFlash2 and XPress heads (their configs made flat,
 their flags, the target layers they read), the checks that refuse a head that does not fit its target, and
 load_head, which builds draft.py's classes from a converted draft.pth.
 
@@ -13,9 +13,15 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import EagletError, load_state_dict, mismatch_detail, read_config
-from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, Eagle3Flags, EagleDraft, PEagleDraft
+from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, PEagleDraft, XPressDraft
+from draft import DraftHead, Eagle3Draft, Eagle3Flags, EagleDraft
 from model import ModelArgs
 from quantize import pack_quantized, pop_quantization, use_quantized_linears
+
+
+BLOCK_KINDS = ("dflash", "dspark", "dflash2", "xpress")  # speculators' block drafters, all read by block_settings
+BLOCK_NAMES = {"dflash2": "DFlash2", "xpress": "XPress"}
+SPECULATORS_KINDS = "eaglet reads speculators' eagle3, peagle, dflash, dspark, dflash2 and xpress heads"
 
 
 def load_head(checkpoint_path, target: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
@@ -113,10 +119,17 @@ def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
     d2t = state_dict.pop("d2t", None)
     with torch.device("meta"):
         common = dict(anchor_drafts=b["anchor_drafts"], draft_vocab_size=b["draft_vocab_size"])
-        model = DSparkDraft(args, len(b["feature_layers"]), b["block_size"], b["mask_token_id"], b["markov_rank"],
-                            confidence_head=b["confidence_head"], confidence_with_markov=b["confidence_with_markov"],
-                            **common) if b["dspark"] else \
-            DFlashDraft(args, len(b["feature_layers"]), b["block_size"], b["mask_token_id"], **common)
+        block = (args, len(b["feature_layers"]), b["block_size"], b["mask_token_id"])
+        if b["kind"] == "dspark":
+            model = DSparkDraft(*block, b["markov_rank"], confidence_head=b["confidence_head"],
+                                confidence_with_markov=b["confidence_with_markov"], **common)
+        elif b["kind"] == "dflash2":
+            model = DFlash2Draft(*block, b["conv_kernel_size"], b["conv_group_size"], b["selector_rank"],
+                                 b["selector_top_k"], anchor_drafts=b["anchor_drafts"])
+        elif b["kind"] == "xpress":
+            model = XPressDraft(*block, b["xpress_rank"], b["xpress_mlp_ratio"], b["num_jacobi_passes"], **common)
+        else:
+            model = DFlashDraft(*block, **common)
     assign_weights(model, state_dict, where)
     if b["draft_vocab_size"]:
         if d2t is None:
@@ -129,16 +142,16 @@ def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
 
 def block_settings(config: dict, args: ModelArgs, target: ModelArgs, where: str) -> dict:
     """A block drafter's settings from its layout, each told by its own markers, never guessed: speculators'
-    (speculators_model_type dflash or dspark; head_config has put transformer_layer_config at the top), DeepSpec's
+    (speculators_model_type dflash, dspark, dflash2 or xpress; head_config has put transformer_layer_config at the
+    top), DeepSpec's
     DSpark (architectures Qwen3DSparkModel, its settings at the top level) or z-lab's DFlash (dflash_config).
     feature_layers are layer INPUTS as eaglet taps them: z-lab's and DeepSpec's target_layer_ids name layer
     outputs (hidden_states[id + 1]), speculators' aux_hidden_state_layer_ids layer inputs."""
     kind, architectures = config.get("speculators_model_type"), [str(a) for a in config.get("architectures") or []]
     top = config
     if kind is not None:
-        if kind not in ("dflash", "dspark"):
-            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, peagle, "
-                              "dflash and dspark heads")
+        if kind not in BLOCK_KINDS:
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; {SPECULATORS_KINDS}")
         if type(config.get("sample_from_anchor")) is not bool:
             raise EagletError(f"{where}: a speculators {kind} head without sample_from_anchor (true or false): whether "
                               "the anchor's row drafts too, which engines have read both ways (a head read the wrong "
@@ -161,7 +174,8 @@ def block_settings(config: dict, args: ModelArgs, target: ModelArgs, where: str)
                ("vocabulary", args.vocab_size, target.vocab_size),
                ("target layers", config.get("num_target_layers", target.n_layer), target.n_layer)] if mine != theirs]
     if differ:
-        raise EagletError(f"{'DSpark' if dspark else 'DFlash'} head {where} does not match the target (head vs "
+        raise EagletError(f"{BLOCK_NAMES.get(kind, 'DSpark' if dspark else 'DFlash')} head {where} does not match "
+                          "the target (head vs "
                           f"target): {', '.join(dict.fromkeys(differ))}")
     block_size, mask_id = top.get("block_size", config.get("block_size")), top.get("mask_token_id")
     if type(block_size) is not int or block_size < 2:
@@ -178,10 +192,41 @@ def block_settings(config: dict, args: ModelArgs, target: ModelArgs, where: str)
     if type(draft_vocab) is not int or not 1 <= draft_vocab <= target.vocab_size:
         raise EagletError(f"{where}: draft_vocab_size must be a whole number from 1 to the target's vocabulary "
                           f"({target.vocab_size}), got {draft_vocab!r}")
-    settings = {"dspark": dspark, "anchor_drafts": anchor, "block_size": block_size, "mask_token_id": mask_id,
+    settings = {"kind": "dspark" if dspark else kind or "dflash", "dspark": dspark, "anchor_drafts": anchor,
+                "block_size": block_size, "mask_token_id": mask_id,
                 "feature_layers": tuple(k if lowest == 0 else k + 1 for k in ids),
                 "draft_vocab_size": draft_vocab if draft_vocab < target.vocab_size else 0}
+    if kind == "dflash2":
+        return settings | dflash2_settings(config, args, block_size, draft_vocab, where)
+    if kind == "xpress":
+        return settings | whole_numbers(config, where, xpress_rank=(256, 1), xpress_mlp_ratio=(2, 1),
+                                        num_jacobi_passes=(6, 0))
     return settings | (markov_settings(config, where) if dspark else {})
+
+
+def whole_numbers(config: dict, where: str, **defaults) -> dict:
+    """Settings that are whole numbers: name=(speculators' default, the least allowed), checked."""
+    values = {name: config.get(name, default) for name, (default, _) in defaults.items()}
+    for name, value in values.items():
+        if type(value) is not int or value < defaults[name][1]:
+            raise EagletError(f"{where}: {name} must be a whole number of at least {defaults[name][1]}, got {value!r}")
+    return values
+
+
+def dflash2_settings(config: dict, args: ModelArgs, block_size: int, draft_vocab: int, where: str) -> dict:
+    """A DFlash2 head's convolution and selector, refused where speculators refuses them."""
+    values = whole_numbers(config, where, conv_kernel_size=(2, 1), conv_group_size=(16, 1), selector_rank=(256, 1),
+                           selector_top_k=(16, 1))
+    if draft_vocab != args.vocab_size:
+        raise EagletError(f"{where}: a DFlash2 head with a draft vocabulary of {draft_vocab} tokens; DFlash2's "
+                          f"candidate selector reads the target's whole vocabulary ({args.vocab_size}), and "
+                          "speculators refuses a smaller one too")
+    if args.dim % values["conv_group_size"] or values["conv_kernel_size"] > block_size \
+            or values["selector_top_k"] > args.vocab_size:
+        raise EagletError(f"{where}: conv_group_size {values['conv_group_size']} must divide the hidden size "
+                          f"({args.dim}), conv_kernel_size {values['conv_kernel_size']} be at most block_size "
+                          f"({block_size}) and selector_top_k {values['selector_top_k']} at most the vocabulary")
+    return values
 
 
 def markov_settings(config: dict, where: str) -> dict:
@@ -310,15 +355,14 @@ def head_config(config: dict, where: str) -> dict:
     (speculators' place for them, where vLLM reads them) name layer INPUTS, as vLLM takes the hidden state
     entering layer k: here they become eagle_config.eagle_aux_hidden_state_layer_ids k - 1 (layer outputs)."""
     kind = config.get("speculators_model_type")
-    if kind in ("dflash", "dspark"):
+    if kind in BLOCK_KINDS:
         return block_layer_config(config, where)
     if kind is None and "eagle_aux_hidden_state_layer_ids" not in config:
         return config
     flat = dict(config)
     if kind is not None:
         if kind not in ("eagle3", "peagle"):
-            raise EagletError(f"{where}: speculators_model_type {kind!r}; eaglet reads speculators' eagle3, peagle, "
-                              "dflash and dspark heads")
+            raise EagletError(f"{where}: speculators_model_type {kind!r}; {SPECULATORS_KINDS}")
         layer = config.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")
@@ -403,7 +447,7 @@ def is_eagle3_config(config: dict) -> bool:
 
 def is_dflash_config(config: dict) -> bool:
     """Whether a (flat) config.json is a block drafter's: DFlash or DSpark, in any layout."""
-    return "dflash_config" in config or config.get("speculators_model_type") in ("dflash", "dspark") or \
+    return "dflash_config" in config or config.get("speculators_model_type") in BLOCK_KINDS or \
         any("DFlash" in str(a) or "DSpark" in str(a) for a in config.get("architectures") or [])
 
 

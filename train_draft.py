@@ -132,7 +132,8 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from draft import DFlashDraft, DraftHead, DSparkDraft, Eagle3Draft, EagleDraft, head_name  # noqa: E402
+from block_draft import DFlashDraft, DSparkDraft  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, converted_file, mismatch_detail, read_config  # noqa: E402
@@ -714,7 +715,7 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
     head_logits = head.logits(target, h).float()
     if isinstance(head, DSparkDraft):
         prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]
-        head_logits = head.next_logits(head_logits, prev).float()
+        head_logits = head.next_logits(head_logits, prev, h).float()
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
     hit = head_logits.argmax(-1) == want
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)

@@ -34,7 +34,8 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draft import DFlashDraft, Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
+from block_draft import DFlashDraft  # noqa: E402
+from draft import Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
 from head_formats import eagle3_feature_layers, head_args, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402

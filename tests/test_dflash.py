@@ -13,7 +13,7 @@ import generate
 from conftest import STAT_SAMPLES, check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
-from draft import DFlashDraft
+from block_draft import DFlashDraft
 from draft_tree import grow_lattice
 from head_formats import dflash_layer_ids
 from generate import load_draft, load_target

@@ -12,7 +12,7 @@ import generate
 from conftest import check_compiled_cycle
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
-from draft import DFlashDraft, DSparkDraft
+from block_draft import DFlashDraft, DSparkDraft
 from draft_tree import StaticTree
 from generate import load_draft, load_target
 from test_dflash import (HEAD_DIM, HIDDEN, INTER, KV_HEADS, HEADS, dflash_config, dflash_weights, reference_block,
@@ -60,8 +60,8 @@ def recording(draft, tree, truth: list, seed: int = 0, p: float = 0.6) -> list:
         passes.append({"root": int(root), "ctx": int(ctx_len), "levels": []})
         return block_states(target, root, ctx_len, levels)
 
-    def logits(row, prev):
-        out = next_logits(row, prev)
+    def logits(row, prev, state):
+        out = next_logits(row, prev, state)
         rec = passes[-1]
         want = rec["ctx"] + 1 + len(rec["levels"])
         boosted = out.clone()
@@ -308,7 +308,8 @@ def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, 
         prev = torch.arange(VOCAB)
         with torch.no_grad():
             bias = oracle.markov_head.block_bias(prev_token_ids=prev[None], hidden_states=None)[0]
-            torch.testing.assert_close(draft.next_logits(mine[1, None], prev), mine[1] + bias, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(draft.next_logits(mine[1, None], prev, states[1, None]), mine[1] + bias,
+                                       atol=1e-4, rtol=1e-4)
             want = torch.sigmoid(oracle.confidence_head(torch.cat([rows[first + 1].expand(VOCAB, -1),
                                                                    oracle.markov_head.prev_embeddings(prev)], -1)))
             torch.testing.assert_close(draft.confidence_of(states[1, None], prev), want, atol=1e-5, rtol=1e-5)

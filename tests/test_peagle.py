@@ -12,7 +12,7 @@ import generate
 from conftest import check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
-from draft import PEagleDraft
+from block_draft import PEagleDraft
 from generate import load_draft, load_target
 from test_dflash import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, target8  # noqa: F401 (target8: a fixture)
 

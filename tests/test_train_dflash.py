@@ -12,7 +12,7 @@ import train_draft
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from decode import catch_up
-from draft import DFlashDraft
+from block_draft import DFlashDraft
 from generate import load_draft, load_target
 from test_train_eagle3 import corpus
 
@@ -192,7 +192,7 @@ def test_dspark_loss_scores_each_draft_after_the_token_before_it(checkpoints):
     head.setup_rope(64)
     tokens, mask = torch.randint(4, 96, (2, 24), generator=torch.Generator().manual_seed(1)), torch.ones(2, 24)
     seen, next_logits = [], head.next_logits
-    head.next_logits = lambda rows, prev: seen.append(prev.clone()) or next_logits(rows, prev)
+    head.next_logits = lambda rows, prev, state: seen.append(prev.clone()) or next_logits(rows, prev, state)
     with torch.no_grad():
         torch.manual_seed(0)
         train_draft.dflash_loss(head, target, tokens, mask, cfg)
