@@ -300,7 +300,7 @@ REFUSED = {  # id: (the head folder, what the one line of convert_hf_checkpoint.
                                                  "norm_before_residual is not set"),
     "speculators head of another algorithm": (edit("speculators", lambda c: c.update(speculators_model_type="mtp")),
                                               "speculators_model_type 'mtp'; eaglet reads speculators' eagle3, peagle, "
-                                              "dflash and dspark heads"),
+                                              "dflash, dspark, dflash2 and xpress heads"),
     "speculators layer of another model_type": (
         edit("speculators", lambda c: c["transformer_layer_config"].update(model_type="mistral")),
         "transformer_layer_config model_type 'mistral'"),

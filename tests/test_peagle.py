@@ -151,7 +151,7 @@ def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path):
     for edit, words in [(lambda c: c.update(mask_token_id=VOCAB), "mask_token_id, a token of the target's 96"),
                         (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=0),
                          "speculative_tokens"),
-                        (lambda c: c.update(speculators_model_type="xpress"), "speculators_model_type 'xpress'")]:
+                        (lambda c: c.update(speculators_model_type="mtp"), "speculators_model_type 'mtp'")]:
         changed = json.loads(json.dumps(config))
         edit(changed)
         (folder / "config.json").write_text(json.dumps(changed))
