@@ -70,14 +70,17 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path,
                    help="a converted target (model.pth) (default: the demo in demo/ when --model is not given)")
     p.add_argument("--draft_checkpoint_path", type=Path,
-                   help="its draft.pth, EAGLE-1/2, EAGLE-3, DFlash or DSpark (default: demo/head/draft.pth for the demo, "
+                   help="its draft.pth, any head kind eaglet reads (default: demo/head/draft.pth for the demo, "
                         "else a random head of --random_head's kind and the target's shape)")
-    p.add_argument("--random_head", choices=["eagle", "dflash", "dspark", "peagle"], default="eagle",
+    p.add_argument("--random_head", choices=["eagle", "dflash", "dspark", "peagle", "dflash2", "xpress"],
+                   default="eagle",
                    help="the random head when no draft.pth is given: EAGLE-1/2, DFlash as published (5 layers, "
                         "blocks of 16, features of 5 layers), DSpark as published for Qwen3-8B (5 layers, blocks "
-                        "of 7 every row drafting, Markov rank 256) or P-EAGLE as speculators makes one by default "
-                        "(one layer, 3 feature layers, 8 drafts a pass, a draft vocabulary of 32,000); its tau means "
-                        "nothing, its cycle's cost does")
+                        "of 7 every row drafting, Markov rank 256), P-EAGLE as speculators makes one by default "
+                        "(one layer, 3 feature layers, 8 drafts a pass, a draft vocabulary of 32,000), DFlash2 or "
+                        "XPress as speculators makes them by default (DFlash's shape; convolutions of 2 taps over "
+                        "groups of 16 and a rank-256 selector of 16 candidates; a rank-256 refiner, 6 Jacobi "
+                        "passes); its tau means nothing, its cycle's cost does")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: as generate.py (draft_vocab.json beside the head, else on a target of more than "
@@ -173,16 +176,15 @@ def random_module(module_cls, args, device, dtype, **kwargs):
     return module.eval()
 
 
-def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_size: int = 16,
-                  markov_rank: int = 0) -> DFlashDraft:
-    """A random DFlash head as the published ones are shaped: 5 Qwen3 layers of the target's width, blocks of 16,
-    the features of 5 target layers spread as DFlash spreads them; with markov_rank, a DSpark head (every block
-    row drafting, a Markov head of that rank, a confidence head). The target is set to return the features."""
+def random_dflash(target: Transformer, device, dtype, n_layers: int = 5, block_size: int = 16, kind=DFlashDraft,
+                  **extra) -> DFlashDraft:
+    """A random block drafter (DFlashDraft or a subclass, with its own settings in extra) as the published ones are
+    shaped: 5 Qwen3 layers of the target's width, blocks of 16, the features of 5 target layers spread as DFlash
+    spreads them. The target is set to return the features."""
     args = replace(target.args, n_layer=n_layers, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
     ids = dflash_layer_ids(target.args.n_layer, n_layers)
-    kind, markov = (DSparkDraft, {"markov_rank": markov_rank}) if markov_rank else (DFlashDraft, {})
     draft = random_module(kind, args, device, dtype, n_features=len(ids), block_size=block_size,
-                          mask_token_id=target.args.vocab_size - 1, **markov)
+                          mask_token_id=target.args.vocab_size - 1, **extra)
     draft.feature_layers = tuple(k + 1 for k in ids)
     target.set_feature_layers(draft.feature_layers)
     return draft
@@ -204,8 +206,13 @@ def random_peagle(target: Transformer, device, dtype, block_size: int = 8, draft
 
 
 def random_head(kind: str, target: Transformer, device, dtype) -> DraftHead:
-    if kind == "dspark":  # deepseek-ai/dspark_qwen3_8b_block7's shape
-        return random_dflash(target, device, dtype, block_size=7, markov_rank=256)
+    if kind == "dspark":  # deepseek-ai/dspark_qwen3_8b_block7's shape: every row drafting, a rank-256 Markov head
+        return random_dflash(target, device, dtype, block_size=7, kind=DSparkDraft, markov_rank=256)
+    if kind == "dflash2":  # speculators' defaults: kernels of 2 taps over groups of 16, a rank-256 selector of 16
+        return random_dflash(target, device, dtype, kind=DFlash2Draft, kernel_size=2, group_size=16, selector_rank=256,
+                             selector_top_k=16)
+    if kind == "xpress":  # speculators' defaults (the released heads'): rank 256, MLP ratio 2, 6 Jacobi passes
+        return random_dflash(target, device, dtype, kind=XPressDraft, rank=256, mlp_ratio=2, jacobi_passes=6)
     if kind == "peagle":
         return random_peagle(target, device, dtype)
     return random_dflash(target, device, dtype) if kind == "dflash" else random_module(EagleDraft, target.args, device, dtype)

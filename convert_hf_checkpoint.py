@@ -302,7 +302,7 @@ def convert_dflash_head(checkpoint_dir: Path, config: dict, weights: dict) -> di
             out.update(convert_layer(weights, f"layers.{i}.", f"layers.{i}."))
     except KeyError as e:
         raise EagletError(f"{checkpoint_dir}: weight {e.args[0]} is missing")
-    extras = ("markov_head.", "confidence_head.", "candidate_selector.", "refiner_head.")  # DSpark's, DFlash2's, XPress's
+    extras = ("markov_head.", "confidence_head.", "candidate_selector.", "refiner_head.")  # DSpark, DFlash2, XPress
     convs = tuple(f"layers.{i}.{conv}_conv." for i in range(args.n_layer) for conv in ("attention", "mlp"))  # DFlash2's
     out.update({k: weights.pop(k) for k in [k for k in weights if k.startswith(extras + convs)]})
     if config.get("draft_vocab_size", args.vocab_size) < args.vocab_size:  # speculators' own draft vocabulary

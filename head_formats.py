@@ -1,8 +1,8 @@
-"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3 (and P-EAGLE), DFlash, DSpark, DFlash2 and XPress heads (their configs made flat,
-their flags, the target layers they read), the checks that refuse a head that does not fit its target, and
-load_head, which builds draft.py's classes from a converted draft.pth.
+"""Reading draft heads: the published layouts of EAGLE-1/2, EAGLE-3 (and P-EAGLE), DFlash, DSpark, DFlash2 and XPress
+heads (their configs made flat, their flags, the target layers they read), the checks that refuse a head that does
+not fit its target, and load_head, which builds draft.py's and block_draft.py's classes from a converted draft.pth.
 
-Imports draft.py (the heads), model.py and quantize.py (a quantized head's Linears); generate.py, train_draft.py
+Imports draft.py and block_draft.py (the heads), model.py and quantize.py (a quantized head's Linears); generate.py, train_draft.py
 and convert_hf_checkpoint.py import it, the cycle never does.
 """
 import json

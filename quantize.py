@@ -58,7 +58,8 @@ from checkpoint import QUANT_KEY, EagletError, converted_file, converted_files, 
 
 QUANT_FORMAT_VERSION = 1  # of the record a quantized file holds under QUANT_KEY; a newer one is refused
 # 2-D weights that are not Linears
-EMBEDDINGS = ("tok_embeddings.weight", "embed.weight", "markov_head.markov_w1.weight", "refiner_head.token_embed.weight")
+EMBEDDINGS = ("tok_embeddings.weight", "embed.weight", "markov_head.markov_w1.weight",
+              "refiner_head.token_embed.weight")
 LM_HEADS = ("output.weight", "lm_head.weight")  # int8 even in int4 mode
 
 

@@ -245,3 +245,15 @@ def test_sampling_follows_the_target_distribution(tmp_path, kind):
     model = load_target(target / "model.pth", "cpu", "fp32", 64)
     draft = load_draft(folder / "draft.pth", model)
     check_sampled_sequences(target, model, draft, TreeConfig(2, 3, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, name", [("dflash2", "DFlash2"), ("xpress", "XPress")])
+def test_bench_times_a_random_head_of_the_published_shape(tmp_path, kind, name):
+    import bench
+    bench.main(["--model", "tiny", "--random_head", kind, "--device", "cpu", "--repeats", "1", "--side_tokens", "8",
+                "--max_seq_length", "512", "--out", str(tmp_path / "b")])
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert results["setup"]["tree"] == {"depth": 14, "topk": 1, "total_tokens": 16}  # the chain of its 15 drafts
+    assert results["cycle"]["draft_passes"] == 1 and name in results["setup"]["head"]
+    assert results["side_by_side"]["eaglet EAGLE-2"]["same_tokens_as_plain"]
