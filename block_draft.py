@@ -281,11 +281,16 @@ class CandidateSelector(nn.Module):
 
     def forward(self, row_logits: Tensor, prev: Tensor, row_state: Tensor) -> Tensor:
         candidates = row_logits.topk(self.top_k, dim=-1).indices  # [..., rows, top_k]
-        context = self.predecessor_codebook[prev] * self.hidden_projection(row_state)  # [..., m, rank]
-        transition = (context[..., None, :] * self.successor_codebook[candidates]).sum(-1)  # [..., m, top_k]
-        scores = row_logits.gather(-1, candidates) + transition.to(row_logits.dtype)
+        scores = self.score(row_logits, prev, row_state, candidates)
         out = row_logits.new_full((*scores.shape[:-1], row_logits.shape[-1]), float("-inf"))
         return out.scatter(-1, candidates.expand_as(scores), scores)
+
+    def score(self, row_logits: Tensor, prev: Tensor, row_state: Tensor, candidates: Tensor) -> Tensor:
+        """The candidates' scores after each prev [..., m] -> [..., m, top_k] (a row of logits, states and
+        candidates for all m, or one each)."""
+        context = self.predecessor_codebook[prev] * self.hidden_projection(row_state)  # [..., m, rank]
+        transition = (context[..., None, :] * self.successor_codebook[candidates]).sum(-1)  # [..., m, top_k]
+        return row_logits.gather(-1, candidates) + transition.to(row_logits.dtype)
 
 
 class DFlash2Draft(DFlashDraft):

@@ -1,4 +1,5 @@
-"""Train an EAGLE-1/2, EAGLE-3, DFlash or DSpark draft head for a converted target; save it in the published format.
+"""Train an EAGLE-1/2, EAGLE-3, DFlash, DSpark or DFlash2 draft head for a converted target; save it in the published
+format.
 
     python train_draft.py --checkpoint_path checkpoints/org/model/model.pth --data corpus/*.txt \\
         --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3 | dflash | dspark]
@@ -27,6 +28,10 @@ DSpark (--head dspark): DFlash's backbone with every block row drafting (the anc
 a rank --markov_rank Markov head: row j's logits plus W2(W1[the token before it]), taught with the target's own
 tokens before each row; and a confidence head learning whether each draft (the Markov-corrected argmax) is the
 target's. Saved in DeepSpec's layout (Qwen3DSparkModel).
+DFlash2 (--head dflash2): DFlash's head and loss, a causal convolution inside the block around each sublayer
+(identity at the start) and a candidate selector learning, by cross-entropy over each draft's --selector_top_k
+best tokens (the target's pick put in the last place where it is missing), which of them the target picks after
+the token before it. Saved in vLLM speculators' layout (speculators_model_type dflash2).
 """
 # (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
 # tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
@@ -67,12 +72,14 @@ class TrainConfig:
     mask_token_id: int = -1  # DFlash: the token the masks are embedded as; -1: the last of the target's vocabulary
     markov_rank: int = 256  # DSpark: the Markov head's rank
     confidence_weight: float = 1.0  # DSpark: the confidence head's loss weight
+    selector_rank: int = 256  # DFlash2: the candidate selector's rank
+    selector_top_k: int = 16  # DFlash2: the drafts per row the selector rescores
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 1, "warmup": 0, "seed": 0,
                     "weight_decay": 0, "noise": 0, "ce_weight": 0, "unroll_steps": 1, "draft_vocab_size": 0,
                     "block_size": 2, "draft_layers": 1, "anchors": 1, "gamma": 0, "mask_token_id": -1, "markov_rank": 1,
-                    "confidence_weight": 0}
+                    "confidence_weight": 0, "selector_rank": 1, "selector_top_k": 1}
         bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
         bad += [f"{k} must be above 0" for k in ("lr", "grad_clip", "step_decay")
                 if not 0 < getattr(self, k) < math.inf]
@@ -90,8 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark"], default="eagle",
-                   help="EAGLE-1/2, EAGLE-3, DFlash or DSpark head")
+    p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark", "dflash2"], default="eagle",
+                   help="EAGLE-1/2, EAGLE-3, DFlash, DSpark or DFlash2 head")
     p.add_argument("--feature_layers", type=int_flag(1), nargs="+", default=None,
                    help="EAGLE-3 and DFlash (any number): the target layers whose input the head reads "
                         "(EAGLE-3 default: 2, L//2, L-3; L: the last layer's output; DFlash default: one per draft "
@@ -117,7 +124,9 @@ def parse_args(argv=None):
              "mask_token_id": "DFlash: the token whose embedding fills the block after the root; -1: the last id "
                               "of the target's vocabulary (use a real model's reserved mask token if it has one)",
              "markov_rank": "DSpark: the rank of the Markov head (W1: vocabulary x rank, W2: rank x vocabulary)",
-             "confidence_weight": "DSpark: the confidence head's loss weight (binary cross-entropy)"}
+             "confidence_weight": "DSpark: the confidence head's loss weight (binary cross-entropy)",
+             "selector_rank": "DFlash2: the rank of the candidate selector's codebooks",
+             "selector_top_k": "DFlash2: the drafts of each row the selector rescores (at most the vocabulary)"}
     for name, value in asdict(TrainConfig()).items():
         flag = int_flag(0) if isinstance(value, int) else float_flag(0)
         p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
@@ -132,7 +141,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from block_draft import DFlashDraft, DSparkDraft  # noqa: E402
+from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
@@ -616,6 +625,26 @@ def dspark_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> d
                      "num_anchors": cfg.anchors, "tie_word_embeddings": False}
 
 
+def dflash2_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> dict:
+    """A DFlash2 head's config.json as speculators' save_pretrained writes it: the Qwen3 layers' keys nested in
+    transformer_layer_config, the target layers as layer inputs, DFlash's layout (sample_from_anchor false) and the
+    convolution's and selector's settings (speculators' default convolution: 2 taps over groups of 16 channels)."""
+    layer = dflash_config(args, cfg, feature_layers)
+    layer = {k: v for k, v in layer.items() if k not in ("architectures", "block_size", "num_target_layers",
+                                                         "dflash_config", "torch_dtype")}
+    proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1, "accept_tolerance": 0.0,
+                "verifier_accept_k": 1}
+    return {"architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
+            "transformer_layer_config": layer, "draft_vocab_size": args.vocab_size, "block_size": cfg.block_size,
+            "aux_hidden_state_layer_ids": list(feature_layers), "mask_token_id": dflash_mask_id(cfg, args),
+            "sample_from_anchor": False, "conv_kernel_size": 2, "conv_group_size": math.gcd(16, args.dim),
+            "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k, "num_target_layers": args.n_layer,
+            "speculators_config": {"algorithm": "dflash2", "default_proposal_method": "greedy",
+                                   "proposal_methods": [proposal], "verifier": {"architectures": ["LlamaForCausalLM"],
+                                                                                "name_or_path": None}},
+            "tie_word_embeddings": False, "dtype": "float32"}
+
+
 def dflash_mask_id(cfg: TrainConfig, args: ModelArgs) -> int:
     return cfg.mask_token_id if cfg.mask_token_id >= 0 else args.vocab_size - 1
 
@@ -633,17 +662,33 @@ def new_dflash_head(target: Transformer, cfg: TrainConfig, config: dict) -> DFla
     """A fresh DFlash head, or a DSpark one (config: dspark_config's), its Markov bias starting at zero."""
     device = target.output.weight.device
     torch.manual_seed(cfg.seed)
-    args = replace(head_args(config), qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    args = replace(head_args(config.get("transformer_layer_config", config)), qk_norm=True, qkv_bias=False,
+                   o_bias=False, mlp_bias=False)
     settings = config.get("dflash_config", config)
+    if "aux_hidden_state_layer_ids" in config:  # speculators' layout: layer inputs
+        settings = {**settings, "target_layer_ids": [k - 1 for k in config["aux_hidden_state_layer_ids"]]}
     ids, mask_id = settings["target_layer_ids"], settings["mask_token_id"]
-    head = DSparkDraft(args, len(ids), cfg.block_size, mask_id, cfg.markov_rank) if "markov_rank" in config else \
-        DFlashDraft(args, len(ids), cfg.block_size, mask_id)
+    if "markov_rank" in config:
+        head = DSparkDraft(args, len(ids), cfg.block_size, mask_id, cfg.markov_rank)
+    elif "selector_rank" in config:
+        head = DFlash2Draft(args, len(ids), cfg.block_size, mask_id, config["conv_kernel_size"],
+                            config["conv_group_size"], cfg.selector_rank, cfg.selector_top_k)
+    else:
+        head = DFlashDraft(args, len(ids), cfg.block_size, mask_id)
     for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     if isinstance(head, DSparkDraft):  # the bias starts at zero; W1 as an embedding, so that W2 learns from the start
         torch.nn.init.normal_(head.markov_head.markov_w1.weight)
         torch.nn.init.zeros_(head.markov_head.markov_w2.weight)
+    if isinstance(head, DFlash2Draft):  # each convolution starts as the identity and the selector's score at zero:
+        for conv in [c for layer in head.layers for c in (layer.attention_conv, layer.mlp_conv)]:  # a DFlash head
+            conv.base_kernel.data.zero_()[:, 0] = 1
+            conv.kernel_projection.weight.data.zero_()
+        selector = head.candidate_selector  # codebooks as embeddings, so that the projection learns from the start
+        torch.nn.init.normal_(selector.predecessor_codebook)
+        torch.nn.init.normal_(selector.successor_codebook)
+        torch.nn.init.zeros_(selector.hidden_projection.weight)
     head.feature_layers = tuple(k + 1 for k in ids)
     return head.to(device)
 
@@ -676,12 +721,24 @@ def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anch
     for layer in head.layers:
         attention = layer.attention
         _, k_c, v_c = attention.project(context, cos_c, sin_c)
-        q, k_b, v_b = attention.project(layer.attention_norm(x), cos_b, sin_b)
+        h, conv = block_conv(layer, "attention_conv", layer.attention_norm(x), size)
+        q, k_b, v_b = attention.project(conv(h, 0), cos_b, sin_b)
         y = F.scaled_dot_product_attention(q, torch.cat([k_c, k_b], 2), torch.cat([v_c, v_b], 2), attn_mask=mask,
                                            enable_gqa=attention.n_kv != attention.n_head)
-        x = x + attention.wo(y.transpose(1, 2).reshape(bsz, pos.shape[1], -1))
-        x = x + layer.feed_forward(layer.ffn_norm(x))
+        x = x + conv(attention.wo(y.transpose(1, 2).reshape(bsz, pos.shape[1], -1)), 1)
+        h, conv = block_conv(layer, "mlp_conv", layer.ffn_norm(x), size)
+        x = x + conv(layer.feed_forward(conv(h, 0)), 1)
     return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, head.first_row:]
+
+
+def block_conv(layer, name: str, h, size: int):
+    """A DFlash2 layer's convolution (name) over the blocks of size rows in h [B, A x size, dim], as a function
+    of (x, side) with its kernels made from h; the identity for a layer without one (DFlash, DSpark)."""
+    conv = getattr(layer, name, None)
+    if conv is None:
+        return h, lambda x, side: x
+    deltas = conv.deltas(h).unflatten(1, (-1, size))
+    return h, lambda x, side: conv(x.unflatten(1, (-1, size)), deltas, side).flatten(1, 2)
 
 
 def dflash_labels(picks, mask, anchors, real, levels: int):
@@ -719,6 +776,10 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
     hit = head_logits.argmax(-1) == want
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    if isinstance(head, DFlash2Draft):
+        prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]
+        selector_ce, hit = selector_loss(head, head_logits, prev, h, want)
+        loss = loss + (selector_ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if isinstance(head, DSparkDraft):
         confidence = head.confidence_head.proj(torch.cat([h, head.markov_head.markov_w1(prev)], -1))[..., 0].float()
         bce = F.binary_cross_entropy_with_logits(confidence, hit.float(), reduction="none")
@@ -734,15 +795,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def selector_loss(head: DFlash2Draft, logits, prev, h, want):
+    """DFlash2's selector loss: cross-entropy over each draft's top_k tokens by the head's own logits (the ones it
+    rescores when decoding), the target's pick put in the last place where it is missing, scored after the token
+    before the draft. Returns it per draft, and whether the selector's pick among the drafts is the target's."""
+    candidates = logits.detach().topk(head.candidate_selector.top_k, dim=-1).indices
+    found = candidates == want[..., None]
+    candidates[..., -1] = torch.where(found.any(-1), candidates[..., -1], want)
+    label = (candidates == want[..., None]).float().argmax(-1)
+    scores = head.candidate_selector.score(logits, prev, h, candidates).float()
+    ce = F.cross_entropy(scores.flatten(0, -2), label.flatten(), reduction="none").view_as(want)
+    return ce, (scores.argmax(-1) == label) & found.any(-1)
+
+
 def make_head(kind: str, target: Transformer, examples: list, cfg: TrainConfig, feature_layers=None):
     """A fresh head of this kind ("eagle", "eagle3", "dflash" or "dspark") for the target, the loss it trains with,
     its config.json."""
     if kind == "eagle":
         config = {**llama_head_config(target.args), "bias": True}
         return new_head(target.args, target.output.weight.device, cfg.seed), head_loss, config
-    if kind in ("dflash", "dspark"):
+    if kind in ("dflash", "dspark", "dflash2"):
         layers = dflash_feature_layers(cfg, target.args.n_layer, feature_layers)
-        config = (dspark_config if kind == "dspark" else dflash_config)(target.args, cfg, layers)
+        config = {"dspark": dspark_config, "dflash2": dflash2_config}.get(kind, dflash_config)(target.args, cfg, layers)
         return new_dflash_head(target, cfg, config), dflash_loss, config
     size = draft_vocab_size(cfg, target.args.vocab_size)
     config = eagle3_config(target.args, size, feature_layers)
@@ -786,7 +860,7 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
             torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
             recent.append((loss.detach(), top1.detach()))
-            progress.update(step + 1, lambda: recent_means(recent, "drafts" if kind in ("dflash", "dspark") else
+            progress.update(step + 1, lambda: recent_means(recent, "drafts" if kind in ("dflash", "dspark", "dflash2") else
                                                            "unrolled steps"))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
@@ -821,7 +895,8 @@ def head_settings(head: DraftHead) -> dict:
     if isinstance(head, DFlashDraft):
         return {"head": head_name(head).lower(), "feature_layers": list(head.feature_layers),
                 "block_size": head.block_size, "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer,
-                **({"markov_rank": head.markov_head.markov_w1.weight.shape[1]} if isinstance(head, DSparkDraft) else {})}
+                **({"markov_rank": head.markov_head.markov_w1.weight.shape[1]} if isinstance(head, DSparkDraft) else {}),
+                **({"selector_top_k": head.candidate_selector.top_k} if isinstance(head, DFlash2Draft) else {})}
     return {"head": "eagle3", "feature_layers": list(head.feature_layers),
             "draft_vocab": head.draft_to_target.tolist()}
 
@@ -905,6 +980,8 @@ def save_head(head: DraftHead, config: dict, out_dir: Path, target: Optional[Tra
             weights.update({k: v for k, v in sd.items() if k.startswith(("markov_head.", "confidence_head."))})
             weights.update({"embed_tokens.weight": target.tok_embeddings.weight.detach().float().cpu(),
                             "lm_head.weight": lm_head_table(target)})
+        if isinstance(head, DFlash2Draft):  # speculators' names are the module's own
+            weights.update({k: v for k, v in sd.items() if k.startswith("candidate_selector.") or "_conv." in k})
     else:
         draft_ids = head.draft_to_target.cpu()
         t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
@@ -976,16 +1053,20 @@ def main(argv=None):
 def check_head_flags(args, cfg: TrainConfig, target: Transformer):
     """The EAGLE-3 settings against the target, before any long work (self-distillation)."""
     dflash = [f"--{k}" for k, v in asdict(cfg).items() if k in DFLASH_FLAGS and v != getattr(TrainConfig, k)]
-    if dflash and args.head not in ("dflash", "dspark"):
-        raise EagletError(f"{dflash[0]} is for DFlash and DSpark heads (--head dflash, --head dspark)")
-    dspark = [f"--{k}" for k, v in asdict(cfg).items() if k in DSPARK_FLAGS and v != getattr(TrainConfig, k)]
-    if dspark and args.head != "dspark":
-        raise EagletError(f"{dspark[0]} is for DSpark heads (--head dspark)")
+    if dflash and args.head not in ("dflash", "dspark", "dflash2"):
+        raise EagletError(f"{dflash[0]} is for DFlash, DSpark and DFlash2 heads (--head dflash, dspark, dflash2)")
+    for kind, name, flags in (("dspark", "DSpark", DSPARK_FLAGS), ("dflash2", "DFlash2", DFLASH2_FLAGS)):
+        given = [f"--{k}" for k, v in asdict(cfg).items() if k in flags and v != getattr(TrainConfig, k)]
+        if given and args.head != kind:
+            raise EagletError(f"{given[0]} is for {name} heads (--head {kind})")
     if args.head == "eagle":
         if args.feature_layers or cfg.draft_vocab_size:
             raise EagletError("--feature_layers and --draft_vocab_size are for EAGLE-3 heads (--head eagle3)")
         return
-    if args.head in ("dflash", "dspark"):
+    if args.head in ("dflash", "dspark", "dflash2"):
+        if args.head == "dflash2" and cfg.selector_top_k > target.args.vocab_size:
+            raise EagletError(f"--selector_top_k {cfg.selector_top_k} is more than the target's vocabulary "
+                              f"({target.args.vocab_size})")
         if cfg.draft_vocab_size:
             raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a DFlash or DSpark head scores the whole "
                               "vocabulary")
@@ -1004,6 +1085,7 @@ def check_head_flags(args, cfg: TrainConfig, target: Transformer):
 
 DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "gamma", "mask_token_id")
 DSPARK_FLAGS = ("markov_rank", "confidence_weight")
+DFLASH2_FLAGS = ("selector_rank", "selector_top_k")
 
 
 def check_lengths(target: Transformer, cfg: TrainConfig, max_new_tokens: int):

@@ -1,4 +1,4 @@
-"""train_draft.py --head dflash and --head dspark: the training forward is the decode-time block pass (each anchor's block sees
+"""train_draft.py --head dflash, --head dspark and --head dflash2: the training forward is the decode-time block pass (each anchor's block sees
 only the context before its anchor), training raises agreement, the CLI writes the published layout, resumes,
 and the head it makes decodes losslessly; its mistakes are refused."""
 import json
@@ -12,7 +12,7 @@ import train_draft
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from decode import catch_up
-from block_draft import DFlashDraft
+from block_draft import DFlash2Draft, DFlashDraft
 from generate import load_draft, load_target
 from test_train_eagle3 import corpus
 
@@ -30,7 +30,7 @@ def fresh_head(target, block_size=4, draft_layers=2, feature_layers=(2, 5), kind
     return head, cfg
 
 
-@pytest.mark.parametrize("block_size, kind", [(4, "dflash"), (7, "dflash"), (4, "dspark")])
+@pytest.mark.parametrize("block_size, kind", [(4, "dflash"), (7, "dflash"), (4, "dspark"), (4, "dflash2")])
 def test_training_forward_is_the_decode_time_block(checkpoints, block_size, kind):
     """dflash_blocks over a whole sequence, anchors anywhere (also 0 and the last position), gives for each anchor a
     what block_states gives at decode time after catch_up wrote the context of positions 0..a-1."""
@@ -137,7 +137,7 @@ def test_errors(checkpoints, tmp_path):
                  main=train_draft.main)
     expect_error(dflash + ["--block_size", "1"], "block_size must be at least 2", main=train_draft.main)
     expect_error(dflash + ["--draft_vocab_size", "32"], "a DFlash or DSpark head scores the whole", main=train_draft.main)
-    expect_error(base + ["--block_size", "8"], "--block_size is for DFlash and DSpark heads", main=train_draft.main)
+    expect_error(base + ["--block_size", "8"], "--block_size is for DFlash, DSpark and DFlash2 heads", main=train_draft.main)
     expect_error(dflash + ["--markov_rank", "8"], "--markov_rank is for DSpark heads (--head dspark)",
                  main=train_draft.main)
     expect_error(base + ["--head", "dspark", "--markov_rank", "0"], "markov_rank must be at least 1",
@@ -204,3 +204,44 @@ def test_dspark_loss_scores_each_draft_after_the_token_before_it(checkpoints):
         for i, a in enumerate(anchors[b].tolist()):
             want = [int(tokens[b, a])] + [int(picks[b, min(a + j - 1, 22)]) for j in range(1, 4)]
             assert prev[b, i].tolist() == want
+
+
+def test_dflash2_training_raises_agreement_and_its_selector_learns(checkpoints, tmp_path):
+    """A DFlash2 head's loss: DFlash's, plus the selector's cross-entropy over each draft's top-k after the token
+    before it; training lowers it and raises the top-1 agreement (the selector's pick) at every draft; the
+    convolutions leave the identity."""
+    target, cfg, untrained, trained, batch = train_a_head(checkpoints, tmp_path, "dflash2", selector_rank=16,
+                                                          selector_top_k=8)
+    assert isinstance(trained, DFlash2Draft) and trained.candidate_selector.top_k == 8
+    (before, agree_before), (after, agree_after) = losses(target, cfg, [untrained, trained], batch)
+    print(f"loss {before:.3f} -> {after:.3f}; top-1 {agree_before.tolist()} -> {agree_after.tolist()}")
+    assert after < before - 0.5 and (agree_after > agree_before + 0.1).all()
+    assert trained.layers[0].attention_conv.kernel_projection.weight.abs().max() > 0
+    with torch.no_grad():  # the selector's part of the loss: scored after the token before each draft
+        trained.candidate_selector.successor_codebook.zero_()
+    (blind, _), = losses(target, cfg, [trained], batch)
+    assert blind > after  # the selector's score carries something it learned (a little, in 60 steps)
+
+
+@pytest.mark.slow
+def test_cli_trains_a_dflash2_head_in_speculators_layout_that_decodes_losslessly(checkpoints, tmp_path, capsys):
+    target_dir, _ = checkpoints("llama8")
+    text, out = corpus(tmp_path / "corpus.txt"), tmp_path / "dflash2"
+    train_draft.main(["--checkpoint_path", str(target_dir / "model.pth"), "--data", str(text), "--out_dir", str(out),
+                      "--head", "dflash2", "--draft_layers", "1", "--block_size", "4", "--selector_rank", "8",
+                      "--selector_top_k", "6", "--mask_token_id", "3", "--device", "cpu", "--batch_size", "4",
+                      "--seq_len", "32", "--anchors", "6", "--steps", "6", "--lr", "3e-3"])
+    assert "top-1 agreement at drafts 1-3 " in capsys.readouterr().out
+    weights, config = load_file(str(out / "model.safetensors")), json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash2" and config["sample_from_anchor"] is False
+    assert config["selector_top_k"] == 6 and config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert weights["candidate_selector.predecessor_codebook"].shape == (96, 8)
+    assert weights["layers.0.mlp_conv.base_kernel"].shape == (2, 2, 64)
+    speculators = pytest.importorskip("speculators", reason="speculators (the layout's own reader) is not installed")
+    from speculators.models.dflash2 import DFlash2DraftModel  # speculators reads what was written, every weight
+    missing = DFlash2DraftModel.from_pretrained(str(out), output_loading_info=True)[1]["missing_keys"]
+    assert not [k for k in missing if not k.startswith(("embed_tokens", "lm_head", "verifier"))], speculators
+    convert(out)
+    plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
+    assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+    assert "tree 4 tokens, depth 2, top-k 1" in capsys.readouterr().out  # the chain of its block: 3 drafts
