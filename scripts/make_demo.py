@@ -1,5 +1,5 @@
 """Build the demo from nothing but this machine: a sentencepiece tokenizer, a small LLaMA-architecture
-code model, its EAGLE-1/2 head, its EAGLE-3 head, its DFlash head and its DSpark head, all trained by eaglet's own code on the running
+code model, its EAGLE-1/2 head, its EAGLE-3 head, its DFlash, DSpark and DFlash2 heads, all trained by eaglet's own code on the running
 interpreter's standard-library sources (a few modules kept out for evaluation).
 
     python scripts/make_demo.py --out_dir my_demo     # writes my_demo/{target,head,head3}, my_demo/RECIPE.json
@@ -7,6 +7,7 @@ interpreter's standard-library sources (a few modules kept out for evaluation).
     python scripts/make_demo.py --out_dir demo --only_head3  # retrains only the EAGLE-3 head, for the target there
     python scripts/make_demo.py --out_dir demo --only_dflash # retrains only the DFlash head, for the target there
     python scripts/make_demo.py --out_dir demo --only_dspark # retrains only the DSpark head, measures only it
+    python scripts/make_demo.py --out_dir demo --only_dflash2 # the same for the DFlash2 head
 
 generate.py uses demo/ when no checkpoint is given.
 """
@@ -49,6 +50,9 @@ DFLASH_FEATURE_LAYERS, DFLASH_STEPS = (1, 2, 3), 1000
 # The DSpark head: DFlash's recipe and budget, blocks of 7 whose every row drafts (7 drafts, as DFlash's 8), and a
 # Markov head of rank 64 (the published heads: 256 over a 152k vocabulary).
 DSPARK = {"block_size": 7, "draft_layers": 2, "anchors": 32, "markov_rank": 64}
+# The DFlash2 head: DFlash's recipe and budget (blocks of 8: 7 drafts) and a selector of rank 64 over each row's
+# 16 best drafts (the published heads: rank 256 over a 152k vocabulary).
+DFLASH2 = {**DFLASH, "selector_rank": 64, "selector_top_k": 16}
 
 
 def stdlib_files(held_out: bool) -> list:
@@ -210,7 +214,7 @@ def train_dflash(args, target_dir: Path, dflash_dir: Path, files: list, kind: st
     t0 = time.perf_counter()
     examples = code_examples(files, Tokenizer(target_dir), args.seq_len)
     cfg = TrainConfig(steps=args.dflash_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=2e-3, warmup=50,
-                      save_every=10 ** 9, **(DSPARK if kind == "dspark" else DFLASH))
+                      save_every=10 ** 9, **{"dspark": DSPARK, "dflash2": DFLASH2}.get(kind, DFLASH))
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     shutil.rmtree(dflash_dir, ignore_errors=True)
     train(target, examples, dflash_dir, cfg, resume=False, kind=kind, feature_layers=DFLASH_FEATURE_LAYERS)
@@ -224,6 +228,13 @@ def measure_dspark(target_dir: Path, dspark_dir: Path) -> dict:
     chain = TreeConfig(DSPARK["block_size"] - 1, 1, DSPARK["block_size"] + 1)
     return {"dspark_chain": measure_tau(target_dir, dspark_dir, tree=chain),
             "dspark_tree": measure_tau(target_dir, dspark_dir, tree=replace(chain, topk=10, total_tokens=60))}
+
+
+def measure_dflash2(target_dir: Path, dflash2_dir: Path) -> dict:
+    """The DFlash2 head at the DFlash head's verify sizes: the chain of its block (8 tokens) and the tree at 60/6/10."""
+    chain = TreeConfig(DFLASH2["block_size"] - 2, 1, DFLASH2["block_size"])
+    return {"dflash2_chain": measure_tau(target_dir, dflash2_dir, tree=chain),
+            "dflash2_tree": measure_tau(target_dir, dflash2_dir, tree=replace(chain, topk=10, total_tokens=60))}
 
 
 def ship_bf16(head_dir: Path):
@@ -242,7 +253,7 @@ def ship_bf16(head_dir: Path):
 def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out_dir", type=Path, required=True,
-                   help="where target/, head/, head3/, dflash/, dspark/ and RECIPE.json go")
+                   help="where target/, head/, head3/, dflash/, dspark/, dflash2/ and RECIPE.json go")
     p.add_argument("--overwrite", action="store_true", help="replace what out_dir already holds (e.g. demo/)")
     p.add_argument("--only_head3", action="store_true",
                    help="train only the EAGLE-3 head for the target already in out_dir, and measure the heads")
@@ -250,6 +261,8 @@ def main(argv=None):
                    help="train only the DFlash head for the target already in out_dir, and measure the heads")
     p.add_argument("--only_dspark", action="store_true",
                    help="train only the DSpark head for the target already in out_dir, and measure only it")
+    p.add_argument("--only_dflash2", action="store_true",
+                   help="train only the DFlash2 head for the target already in out_dir, and measure only it")
     p.add_argument("--dflash_steps", type=int_flag(1), default=DFLASH_STEPS,
                    help="DFlash and DSpark head training steps (as shipped)")
     p.add_argument("--target_steps", type=int_flag(1), default=2000, help="target training steps (as shipped)")
@@ -262,11 +275,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         target_dir, head_dir, head3_dir = args.out_dir / "target", args.out_dir / "head", args.out_dir / "head3"
-        dflash_dir, dspark_dir = args.out_dir / "dflash", args.out_dir / "dspark"
+        dflash_dir, dspark_dir, dflash2_dir = args.out_dir / "dflash", args.out_dir / "dspark", args.out_dir / "dflash2"
         recipe_path, t_start = args.out_dir / "RECIPE.json", time.perf_counter()
         files = stdlib_files(held_out=False)
         only = "--only_head3" if args.only_head3 else "--only_dflash" if args.only_dflash else \
-            "--only_dspark" if args.only_dspark else None
+            "--only_dspark" if args.only_dspark else "--only_dflash2" if args.only_dflash2 else None
         if only:
             if not (target_dir / "model.pth").is_file() or not (head_dir / "draft.pth").is_file() or not recipe_path.is_file():
                 p.error(f"{only} needs a demo in {args.out_dir} (target/, head/, RECIPE.json)")
@@ -278,10 +291,12 @@ def main(argv=None):
             recipe = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
                       "python": platform.python_version()}
             build_target_and_head(args, target_dir, head_dir, files, recipe)
-        if args.only_dspark:
-            recipe["dspark"] = train_dflash(args, target_dir, dspark_dir, files, "dspark")
-            print(f"dspark: {recipe['dspark']['seconds']} s; measuring tau on the held-out modules", flush=True)
-            recipe["held_out"] |= measure_dspark(target_dir, dspark_dir)
+        if args.only_dspark or args.only_dflash2:
+            kind, folder, measure = ("dspark", dspark_dir, measure_dspark) if args.only_dspark else \
+                ("dflash2", dflash2_dir, measure_dflash2)
+            recipe[kind] = train_dflash(args, target_dir, folder, files, kind)
+            print(f"{kind}: {recipe[kind]['seconds']} s; measuring tau on the held-out modules", flush=True)
+            recipe["held_out"] |= measure(target_dir, folder)
             recipe_path.write_text(json.dumps(recipe, indent=2))
             print(json.dumps({k: v for k, v in recipe["held_out"].items() if k.startswith(("dflash", "dspark"))}, indent=2))
             return
@@ -294,6 +309,8 @@ def main(argv=None):
         if not only:
             recipe["dspark"] = train_dflash(args, target_dir, dspark_dir, files, "dspark")
             print(f"dspark: {recipe['dspark']['seconds']} s")
+            recipe["dflash2"] = train_dflash(args, target_dir, dflash2_dir, files, "dflash2")
+            print(f"dflash2: {recipe['dflash2']['seconds']} s")
 
         print("measuring tau on the held-out modules", flush=True)
         depth7 = TreeConfig(depth=7)  # generate.py's default for EAGLE-3 heads
@@ -306,6 +323,8 @@ def main(argv=None):
                                    "dflash_tree": measure_tau(target_dir, dflash_dir, tree=replace(chain, topk=10, total_tokens=60))}
         if (dspark_dir / "draft.pth").is_file():
             recipe["held_out"] |= measure_dspark(target_dir, dspark_dir)
+        if (dflash2_dir / "draft.pth").is_file():
+            recipe["held_out"] |= measure_dflash2(target_dir, dflash2_dir)
         if not only:
             recipe["total_seconds"] = round(time.perf_counter() - t_start, 1)
         recipe_path.write_text(json.dumps(recipe, indent=2))
