@@ -349,7 +349,8 @@ class XPressDraft(DFlashDraft):
     parent in a tree (a DFlash row's, refined along the block's own best path).
 
     The token before the root is read from tokens_at, every token the head has caught up on, by position (the
-    block needs it and the cycle hands a head the emitted tokens only)."""
+    block needs it and the cycle hands a head the emitted tokens only). The first token the head reads is never
+    one: after a one-token prompt the first block reads token 0 there (exact still; that block drafts worse)."""
 
     def __init__(self, args: ModelArgs, n_features: int, block_size: int, mask_token_id: int, rank: int,
                  mlp_ratio: int, jacobi_passes: int, anchor_drafts: bool = False, draft_vocab_size: int = 0):

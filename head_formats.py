@@ -112,6 +112,10 @@ def dflash_from_state_dict(config: dict, args: ModelArgs, state_dict: dict, targ
     does not fit the target."""
     b = block_settings(config, args, target, where)
     if "sliding_attention" in (config.get("layer_types") or []) and config.get("use_sliding_window", True):
+        kind = config.get("speculators_model_type")
+        if kind and not config.get("sliding_window_non_causal", kind == "dflash2"):
+            raise EagletError(f"{where}: sliding-window layers with sliding_window_non_causal false: speculators "
+                              "runs their blocks causally, eaglet a block as a whole (not causal)")
         args.sliding_window = config.get("sliding_window")
     args.qk_norm = True  # DFlash layers are Qwen3's, whatever model_type says
     checks = {k.removeprefix("target_check."): state_dict.pop(k) for k in [k for k in state_dict

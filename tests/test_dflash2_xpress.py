@@ -220,11 +220,17 @@ def test_decoding_stays_exact_compiled_batched_and_int8(target8, tmp_path):
     ("xpress", {"num_jacobi_passes": -1}, "num_jacobi_passes must be a whole number of at least 0"),
     ("xpress", {"xpress_rank": "8"}, "xpress_rank must be a whole number"),
     ("xpress", {"mask_token_id": VOCAB}, "mask_token_id must be a token id below"),
-    ("dflash2", {"speculators_model_type": "dflash3"}, "speculators_model_type 'dflash3'; eaglet reads")])
+    ("dflash2", {"speculators_model_type": "dflash3"}, "speculators_model_type 'dflash3'; eaglet reads"),
+    ("xpress", {"sliding_window": 64, "transformer_layer_config": "sliding"},
+     "sliding-window layers with sliding_window_non_causal false")])
 def test_heads_that_do_not_fit_are_refused_by_name(target8, tmp_path, kind, edit, words):
     target_dir, hf = target8
     folder, _ = speculators_head(tmp_path, hf, kind, False)
     config = json.loads((folder / "config.json").read_text()) | edit
+    if config["transformer_layer_config"] == "sliding":  # every layer a sliding-window one, speculators' default mask
+        layers = json.loads((folder / "config.json").read_text())["transformer_layer_config"]
+        config["transformer_layer_config"] = layers | {"layer_types": ["sliding_attention"] * 2, "sliding_window": 64,
+                                                       "use_sliding_window": True}
     (folder / "config.json").write_text(json.dumps(config))
     expect_error(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
                   str(folder / "draft.pth"), "--prompt", "x", "--max_new_tokens", "2", "--device", "cpu"], words)
