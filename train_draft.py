@@ -770,14 +770,13 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
     gamma = cfg.gamma or (7.0 if cfg.block_size >= 16 else cfg.block_size / 2)
     weight = torch.exp(-torch.arange(levels, device=tokens.device) / gamma) * counts
     head_logits = head.logits(target, h).float()
+    prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]: before each
     if isinstance(head, DSparkDraft):
-        prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]
         head_logits = head.next_logits(head_logits, prev, h).float()
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
     hit = head_logits.argmax(-1) == want
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if isinstance(head, DFlash2Draft):
-        prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]
         selector_ce, hit = selector_loss(head, head_logits, prev, h, want)
         loss = loss + (selector_ce * weight).sum() / weight.sum().clamp(min=1e-6)
     if isinstance(head, DSparkDraft):
