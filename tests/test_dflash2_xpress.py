@@ -138,6 +138,50 @@ def test_dflash2_rows_and_selector_score_what_speculators_computes(target8, tmp_
         assert generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
 
 
+def test_dflash2_drafts_what_speculators_computes_at_every_cycle(target8, tmp_path, monkeypatch):
+    """At every cycle of a generation (chain of the block after 0..all accepted drafts, and a tree) the block rows
+    and the selector's scores after every token a level was scored after are what speculators computes for the
+    committed text: an independent recompute per cycle. The target's own next tokens are boosted in random rows
+    (so that cycles accept 0..all drafts), the same boost added to the recompute."""
+    target_dir, hf = target8
+    folder, oracle = speculators_head(tmp_path, hf, "dflash2", False)
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(folder / "draft.pth", model)
+    prompt = [1, 17, 40, 8, 33, 71, 5]
+    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    truth, g = prompt + plain.tokens, torch.Generator().manual_seed(0)
+    draft_rows, next_logits, passes = draft.draft_rows, draft.next_logits, []
+
+    def boosted(target, root, ctx_len, levels, h_last):
+        states, rows = draft_rows(target, root, ctx_len, levels, h_last)
+        boost = torch.zeros_like(rows)
+        for i in range(levels):  # row i drafts the token i + 1 after the root
+            if int(ctx_len) + 1 + i < len(truth) and torch.rand(1, generator=g).item() < 0.6:
+                boost[i, truth[int(ctx_len) + 1 + i]] = 100.0
+        passes.append({"root": int(root), "ctx": int(ctx_len), "rows": rows, "boost": boost, "levels": []})
+        return states, rows + boost
+
+    def scored(row, prev, state):
+        out = next_logits(row, prev, state)
+        passes[-1]["levels"].append((prev.clone(), out.clone()))
+        return out
+    monkeypatch.setattr(draft, "draft_rows", boosted)
+    monkeypatch.setattr(draft, "next_logits", scored)
+    for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):  # both a block of 5: the oracle's
+        passes.clear()
+        spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+        assert spec.tokens == plain.tokens and len(set(spec.accept_lengths)) > 2
+        for rec in passes:
+            assert rec["root"] == truth[rec["ctx"]]
+            hidden, unary, _ = oracle_pass(oracle, hf, truth[:rec["ctx"]], rec["root"])
+            torch.testing.assert_close(rec["rows"], unary[1:], atol=2e-4, rtol=1e-4)
+            for i, (prev, out) in enumerate(rec["levels"]):
+                m = prev.numel()
+                ids, scores = oracle.candidate_selector.select((unary[1 + i] + rec["boost"][i]).expand(m, -1),
+                                                               hidden[1 + i].expand(m, -1), prev.flatten())
+                torch.testing.assert_close(out.reshape(m, -1).gather(-1, ids), scores, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("anchor, draft_vocab", [(False, VOCAB), (True, VOCAB), (False, 40)])
 def test_xpress_refined_rows_are_what_speculators_computes(target8, tmp_path, monkeypatch, anchor, draft_vocab):
     target_dir, hf = target8
