@@ -57,8 +57,8 @@ def model_flags(p):
                    help="model.pth written by convert_hf_checkpoint.py (or quantize.py), or its folder "
                         "(default: the demo in demo/)")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
-                   help="draft.pth of an EAGLE-1/2, EAGLE-3, DFlash or DSpark head, or its folder: switches to "
-                        "speculative decoding")
+                   help="draft.pth of an EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash, DSpark, DFlash2 or XPress head, or its "
+                        "folder: switches to speculative decoding")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one, else on a target of more than "
@@ -67,10 +67,11 @@ def model_flags(p):
     p.add_argument("--no_draft", action="store_true",
                    help="plain decoding, without a head (also when --draft_checkpoint_path is given)")
     p.add_argument("--depth", type=int_flag(1), default=None,
-                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads; a DFlash head's block size - 2, a "
-                        "DSpark head's block size - 1: its tree has depth + 1 levels, one per drafting block row)")
+                   help="draft tree expansion steps (default: 6; 7 for EAGLE-3 heads; a block drafter's drafts per "
+                        "block - 1 (DFlash: block size - 2, DSpark: block size - 1): its tree has depth + 1 levels, "
+                        "one per drafting block row)")
     p.add_argument("--tree_topk", type=int_flag(1), default=None,
-                   help="children per node and nodes kept per level (default: 10; 1 for DFlash and DSpark heads, a chain)")
+                   help="children per node and nodes kept per level (default: 10; 1 for block drafters, a chain)")
     p.add_argument("--total_tokens", type=total_tokens_flag, default=None,
                    help="tokens verified per cycle, root included; auto measures the verify cost at start-up "
                         "(default: 60, or all the nodes of a smaller tree: a chain's depth + 2)")
@@ -292,7 +293,7 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
 
 
 def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None, keep_ids=()) -> DraftHead:
-    """An EAGLE-1/2, EAGLE-3, DFlash or DSpark head for this target, on its device and in its dtype, with a cache as long as
+    """A head of any kind eaglet reads for this target, on its device and in its dtype, with a cache as long as
     the target's (if that has one yet). The target is set to return the features the head reads.
     draft_vocab: the target ids an EAGLE-1/2 head may propose (draft_vocab_of; "0" or "full": all of them);
     keep_ids (the EOS tokens) join the default draft vocabulary."""
