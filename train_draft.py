@@ -28,6 +28,9 @@ DSpark (--head dspark): DFlash's backbone with every block row drafting (the anc
 a rank --markov_rank Markov head: row j's logits plus W2(W1[the token before it]), taught with the target's own
 tokens before each row; and a confidence head learning whether each draft (the Markov-corrected argmax) is the
 target's. Saved in DeepSpec's layout (Qwen3DSparkModel).
+XPress (--head xpress): DFlash's head and recipe and a rank --xpress_rank refiner adding to each row's logits a
+bias from the token before it, learned teacher-forced (the target's own picks before each row) and over 3 Jacobi
+rounds from the block's own picks, beside a term on the block's own logits; saved in speculators' layout.
 DFlash2 (--head dflash2): DFlash's head and loss, a causal convolution inside the block around each sublayer
 (identity at the start) and a candidate selector learning, by cross-entropy over each draft's --selector_top_k
 best tokens (the target's pick put in the last place where it is missing), which of them the target picks after
@@ -74,12 +77,14 @@ class TrainConfig:
     confidence_weight: float = 1.0  # DSpark: the confidence head's loss weight
     selector_rank: int = 256  # DFlash2: the candidate selector's rank
     selector_top_k: int = 16  # DFlash2: the drafts per row the selector rescores
+    xpress_rank: int = 256  # XPress: the refiner's rank
 
     def __post_init__(self):
         at_least = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 1, "warmup": 0, "seed": 0,
                     "weight_decay": 0, "noise": 0, "ce_weight": 0, "unroll_steps": 1, "draft_vocab_size": 0,
                     "block_size": 2, "draft_layers": 1, "anchors": 1, "gamma": 0, "mask_token_id": -1, "markov_rank": 1,
-                    "confidence_weight": 0, "selector_rank": 1, "selector_top_k": 1}
+                    "confidence_weight": 0, "selector_rank": 1, "selector_top_k": 1,
+                    "xpress_rank": 1}
         bad = [f"{k} must be at least {low}" for k, low in at_least.items() if not getattr(self, k) >= low]
         bad += [f"{k} must be above 0" for k in ("lr", "grad_clip", "step_decay")
                 if not 0 < getattr(self, k) < math.inf]
@@ -97,8 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
-    p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark", "dflash2"], default="eagle",
-                   help="EAGLE-1/2, EAGLE-3, DFlash, DSpark or DFlash2 head")
+    p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark", "dflash2", "xpress"], default="eagle",
+                   help="EAGLE-1/2, EAGLE-3, DFlash, DSpark, DFlash2 or XPress head")
     p.add_argument("--feature_layers", type=int_flag(1), nargs="+", default=None,
                    help="EAGLE-3 and DFlash (any number): the target layers whose input the head reads "
                         "(EAGLE-3 default: 2, L//2, L-3; L: the last layer's output; DFlash default: one per draft "
@@ -126,7 +131,8 @@ def parse_args(argv=None):
              "markov_rank": "DSpark: the rank of the Markov head (W1: vocabulary x rank, W2: rank x vocabulary)",
              "confidence_weight": "DSpark: the confidence head's loss weight (binary cross-entropy)",
              "selector_rank": "DFlash2: the rank of the candidate selector's codebooks",
-             "selector_top_k": "DFlash2: the drafts of each row the selector rescores (at most the vocabulary)"}
+             "selector_top_k": "DFlash2: the drafts of each row the selector rescores (at most the vocabulary)",
+             "xpress_rank": "XPress: the rank of the refiner (its embedding, projections and MLP)"}
     for name, value in asdict(TrainConfig()).items():
         flag = int_flag(0) if isinstance(value, int) else float_flag(0)
         p.add_argument(f"--{name}", type=flag, default=value, help=helps.get(name, name.replace("_", " ")))
@@ -141,7 +147,7 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from convert_hf_checkpoint import export_layer  # noqa: E402
-from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft  # noqa: E402
+from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
 from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
@@ -626,20 +632,34 @@ def dspark_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> d
 
 
 def dflash2_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> dict:
-    """A DFlash2 head's config.json as speculators' save_pretrained writes it: the Qwen3 layers' keys nested in
-    transformer_layer_config, the target layers as layer inputs, DFlash's layout (sample_from_anchor false) and the
-    convolution's and selector's settings (speculators' default convolution: 2 taps over groups of 16 channels)."""
+    """A DFlash2 head's config.json as speculators writes it, with the convolution's and selector's settings
+    (speculators' default convolution: 2 taps over groups of 16 channels)."""
+    return speculators_config(args, cfg, feature_layers, "dflash2", ["DFlash2DraftModel"], conv_kernel_size=2,
+                              conv_group_size=math.gcd(16, args.dim), selector_rank=cfg.selector_rank,
+                              selector_top_k=cfg.selector_top_k)
+
+
+def xpress_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple) -> dict:
+    """An XPress head's config.json as speculators writes it (its refiner's MLP ratio and Jacobi passes: the
+    released heads' 2 and 6)."""
+    return speculators_config(args, cfg, feature_layers, "xpress", ["XPressSpeculator"], xpress_rank=cfg.xpress_rank,
+                              xpress_mlp_ratio=2, num_jacobi_passes=6)
+
+
+def speculators_config(args: ModelArgs, cfg: TrainConfig, feature_layers: tuple, kind: str, architectures: list,
+                       **settings) -> dict:
+    """A block drafter's config.json as speculators' save_pretrained writes it: the Qwen3 layers' keys nested in
+    transformer_layer_config, the target layers as layer inputs, DFlash's layout (sample_from_anchor false)."""
     layer = dflash_config(args, cfg, feature_layers)
     layer = {k: v for k, v in layer.items() if k not in ("architectures", "block_size", "num_target_layers",
                                                          "dflash_config", "torch_dtype")}
     proposal = {"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1, "accept_tolerance": 0.0,
                 "verifier_accept_k": 1}
-    return {"architectures": ["DFlash2DraftModel"], "speculators_model_type": "dflash2",
+    return {"architectures": architectures, "speculators_model_type": kind,
             "transformer_layer_config": layer, "draft_vocab_size": args.vocab_size, "block_size": cfg.block_size,
             "aux_hidden_state_layer_ids": list(feature_layers), "mask_token_id": dflash_mask_id(cfg, args),
-            "sample_from_anchor": False, "conv_kernel_size": 2, "conv_group_size": math.gcd(16, args.dim),
-            "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k, "num_target_layers": args.n_layer,
-            "speculators_config": {"algorithm": "dflash2", "default_proposal_method": "greedy",
+            "sample_from_anchor": False, **settings, "num_target_layers": args.n_layer,
+            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
                                    "proposal_methods": [proposal], "verifier": {"architectures": ["LlamaForCausalLM"],
                                                                                 "name_or_path": None}},
             "tie_word_embeddings": False, "dtype": "float32"}
@@ -670,6 +690,9 @@ def new_dflash_head(target: Transformer, cfg: TrainConfig, config: dict) -> DFla
     ids, mask_id = settings["target_layer_ids"], settings["mask_token_id"]
     if "markov_rank" in config:
         head = DSparkDraft(args, len(ids), cfg.block_size, mask_id, cfg.markov_rank)
+    elif "xpress_rank" in config:
+        head = XPressDraft(args, len(ids), cfg.block_size, mask_id, cfg.xpress_rank, config["xpress_mlp_ratio"],
+                           config["num_jacobi_passes"])
     elif "selector_rank" in config:
         head = DFlash2Draft(args, len(ids), cfg.block_size, mask_id, config["conv_kernel_size"],
                             config["conv_group_size"], cfg.selector_rank, cfg.selector_top_k)
@@ -703,7 +726,7 @@ def dflash_anchors(mask: torch.Tensor, n: int):
 
 
 def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anchors) -> torch.Tensor:
-    """Every anchor's block at once, as decoding drafts it: [B, A, levels, dim] outputs of the drafting rows.
+    """Every anchor's block at once, as decoding drafts it: [B, A, block_size, dim] outputs of all its rows.
     Block (anchor a) queries see the context strictly before a and their own block only, never another block."""
     bsz, seq = tokens.shape
     n_anchors, size, device = anchors.shape[1], head.block_size, tokens.device
@@ -728,7 +751,7 @@ def dflash_blocks(head: DFlashDraft, target: Transformer, tokens, features, anch
         x = x + conv(attention.wo(y.transpose(1, 2).reshape(bsz, pos.shape[1], -1)), 1)
         h, conv = block_conv(layer, "mlp_conv", layer.ffn_norm(x), size)
         x = x + conv(layer.feed_forward(conv(h, 0)), 1)
-    return head.norm(x).view(bsz, n_anchors, size, -1)[:, :, head.first_row:]
+    return head.norm(x).view(bsz, n_anchors, size, -1)
 
 
 def block_conv(layer, name: str, h, size: int):
@@ -765,7 +788,8 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
         logits, features = target(tokens, pos, None, causal(seq, tokens.device))
         picks = logits.argmax(-1)  # picks[t]: the target's next token after position t
     anchors, real = dflash_anchors(mask, cfg.anchors)
-    h = dflash_blocks(head, target, tokens, features, anchors)
+    rows = dflash_blocks(head, target, tokens, features, anchors)
+    h = rows[:, :, head.first_row:]  # the drafting rows
     want, counts = dflash_labels(picks, mask, anchors, real, levels)
     gamma = cfg.gamma or (7.0 if cfg.block_size >= 16 else cfg.block_size / 2)
     weight = torch.exp(-torch.arange(levels, device=tokens.device) / gamma) * counts
@@ -773,9 +797,16 @@ def dflash_loss(head: DFlashDraft, target: Transformer, tokens, mask, cfg: Train
     prev = torch.cat([tokens.gather(1, anchors)[..., None], want[..., :-1]], dim=-1)  # [B, A, levels]: before each
     if isinstance(head, DSparkDraft):
         head_logits = head.next_logits(head_logits, prev, h).float()
+    rounds = []
+    if isinstance(head, XPressDraft):  # the teacher-forced refined logits; Jacobi rounds and the block's own beside
+        before = torch.where(anchors > 0, tokens.gather(1, (anchors - 1).clamp(min=0)), tokens.gather(1, anchors))
+        head_logits, rounds = xpress_logits(head, target, rows, before, prev, want)
     ce = F.cross_entropy(head_logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
     hit = head_logits.argmax(-1) == want
     loss = (ce * weight).sum() / weight.sum().clamp(min=1e-6)
+    for logits, share in rounds:
+        ce = F.cross_entropy(logits.flatten(0, 2), want.flatten(), reduction="none").view_as(weight)
+        loss, hit = loss + share * (ce * weight).sum() / weight.sum().clamp(min=1e-6), logits.argmax(-1) == want
     if isinstance(head, DFlash2Draft):
         selector_ce, hit = selector_loss(head, head_logits, prev, h, want)
         loss = loss + (selector_ce * weight).sum() / weight.sum().clamp(min=1e-6)
@@ -792,6 +823,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def xpress_logits(head: XPressDraft, target: Transformer, rows, before, prev, want, passes: int = 3):
+    """XPress's refined logits of the drafting rows, teacher-forced: the token before each row the target's own
+    (before: the token before the anchor, or the anchor itself at position 0; prev: the anchor, then the target's
+    picks). Also what a loss weighs beside them, as speculators trains (its defaults): the block's own logits
+    (x 0.6) and the last of `passes` Jacobi rounds from the block's own picks, each after the previous round's
+    picks, no gradient between rounds (x 0.3, the rounds decoding runs)."""
+    first, size = head.first_row, rows.shape[-2]
+    base = head.logits(target, rows).float()  # [B, A, size, vocab]: all rows
+    states = head.refiner_head.states(rows)
+    teacher = torch.cat([before[..., None], prev], -1)[..., 1 - first:][..., :size]  # the token before each row
+    refined = base + head.refiner_head(teacher, states)
+    picks = head.to_target(base.detach().argmax(-1))
+    for _ in range(passes):
+        jacobi = base + head.refiner_head(torch.cat([teacher[..., :1 + first], picks[..., first:-1]], -1), states)
+        picks = head.to_target(jacobi.detach().argmax(-1))
+    return refined[..., first:, :], [(base[..., first:, :], 0.6)] + ([(jacobi[..., first:, :], 0.3)] if passes else [])
 
 
 def selector_loss(head: DFlash2Draft, logits, prev, h, want):
@@ -813,9 +862,10 @@ def make_head(kind: str, target: Transformer, examples: list, cfg: TrainConfig, 
     if kind == "eagle":
         config = {**llama_head_config(target.args), "bias": True}
         return new_head(target.args, target.output.weight.device, cfg.seed), head_loss, config
-    if kind in ("dflash", "dspark", "dflash2"):
+    if kind in ("dflash", "dspark", "dflash2", "xpress"):
         layers = dflash_feature_layers(cfg, target.args.n_layer, feature_layers)
-        config = {"dspark": dspark_config, "dflash2": dflash2_config}.get(kind, dflash_config)(target.args, cfg, layers)
+        writer = {"dspark": dspark_config, "dflash2": dflash2_config, "xpress": xpress_config}.get(kind, dflash_config)
+        config = writer(target.args, cfg, layers)
         return new_dflash_head(target, cfg, config), dflash_loss, config
     size = draft_vocab_size(cfg, target.args.vocab_size)
     config = eagle3_config(target.args, size, feature_layers)
@@ -859,7 +909,7 @@ def train(target: Transformer, examples: list, out_dir: Path, cfg: TrainConfig, 
             torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
             recent.append((loss.detach(), top1.detach()))
-            progress.update(step + 1, lambda: recent_means(recent, "drafts" if kind in ("dflash", "dspark", "dflash2") else
+            progress.update(step + 1, lambda: recent_means(recent, "drafts" if kind in BLOCK_HEADS else
                                                            "unrolled steps"))
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
@@ -895,7 +945,8 @@ def head_settings(head: DraftHead) -> dict:
         return {"head": head_name(head).lower(), "feature_layers": list(head.feature_layers),
                 "block_size": head.block_size, "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer,
                 **({"markov_rank": head.markov_head.markov_w1.weight.shape[1]} if isinstance(head, DSparkDraft) else {}),
-                **({"selector_top_k": head.candidate_selector.top_k} if isinstance(head, DFlash2Draft) else {})}
+                **({"selector_top_k": head.candidate_selector.top_k} if isinstance(head, DFlash2Draft) else {}),
+                **({"xpress_rank": head.refiner_head.mix_l.shape[0]} if isinstance(head, XPressDraft) else {})}
     return {"head": "eagle3", "feature_layers": list(head.feature_layers),
             "draft_vocab": head.draft_to_target.tolist()}
 
@@ -979,8 +1030,9 @@ def save_head(head: DraftHead, config: dict, out_dir: Path, target: Optional[Tra
             weights.update({k: v for k, v in sd.items() if k.startswith(("markov_head.", "confidence_head."))})
             weights.update({"embed_tokens.weight": target.tok_embeddings.weight.detach().float().cpu(),
                             "lm_head.weight": lm_head_table(target)})
-        if isinstance(head, DFlash2Draft):  # speculators' names are the module's own
-            weights.update({k: v for k, v in sd.items() if k.startswith("candidate_selector.") or "_conv." in k})
+        if isinstance(head, (DFlash2Draft, XPressDraft)):  # speculators' names are the modules' own
+            weights.update({k: v for k, v in sd.items() if k.startswith(("candidate_selector.", "refiner_head."))
+                            or "_conv." in k})
     else:
         draft_ids = head.draft_to_target.cpu()
         t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
@@ -1052,9 +1104,10 @@ def main(argv=None):
 def check_head_flags(args, cfg: TrainConfig, target: Transformer):
     """The EAGLE-3 settings against the target, before any long work (self-distillation)."""
     dflash = [f"--{k}" for k, v in asdict(cfg).items() if k in DFLASH_FLAGS and v != getattr(TrainConfig, k)]
-    if dflash and args.head not in ("dflash", "dspark", "dflash2"):
-        raise EagletError(f"{dflash[0]} is for DFlash, DSpark and DFlash2 heads (--head dflash, dspark, dflash2)")
-    for kind, name, flags in (("dspark", "DSpark", DSPARK_FLAGS), ("dflash2", "DFlash2", DFLASH2_FLAGS)):
+    if dflash and args.head not in BLOCK_HEADS:
+        raise EagletError(f"{dflash[0]} is for block drafters (--head {', '.join(BLOCK_HEADS)})")
+    for kind, name, flags in (("dspark", "DSpark", DSPARK_FLAGS), ("dflash2", "DFlash2", DFLASH2_FLAGS),
+                              ("xpress", "XPress", XPRESS_FLAGS)):
         given = [f"--{k}" for k, v in asdict(cfg).items() if k in flags and v != getattr(TrainConfig, k)]
         if given and args.head != kind:
             raise EagletError(f"{given[0]} is for {name} heads (--head {kind})")
@@ -1062,12 +1115,12 @@ def check_head_flags(args, cfg: TrainConfig, target: Transformer):
         if args.feature_layers or cfg.draft_vocab_size:
             raise EagletError("--feature_layers and --draft_vocab_size are for EAGLE-3 heads (--head eagle3)")
         return
-    if args.head in ("dflash", "dspark", "dflash2"):
+    if args.head in BLOCK_HEADS:
         if args.head == "dflash2" and cfg.selector_top_k > target.args.vocab_size:
             raise EagletError(f"--selector_top_k {cfg.selector_top_k} is more than the target's vocabulary "
                               f"({target.args.vocab_size})")
         if cfg.draft_vocab_size:
-            raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a DFlash or DSpark head scores the whole "
+            raise EagletError("--draft_vocab_size is for EAGLE-3 heads: a block drafter scores the whole "
                               "vocabulary")
         dflash_feature_layers(cfg, target.args.n_layer, args.feature_layers)
         mask_id = dflash_mask_id(cfg, target.args)
@@ -1085,6 +1138,8 @@ def check_head_flags(args, cfg: TrainConfig, target: Transformer):
 DFLASH_FLAGS = ("block_size", "draft_layers", "anchors", "gamma", "mask_token_id")
 DSPARK_FLAGS = ("markov_rank", "confidence_weight")
 DFLASH2_FLAGS = ("selector_rank", "selector_top_k")
+XPRESS_FLAGS = ("xpress_rank",)
+BLOCK_HEADS = ("dflash", "dspark", "dflash2", "xpress")
 
 
 def check_lengths(target: Transformer, cfg: TrainConfig, max_new_tokens: int):
