@@ -310,3 +310,22 @@ def test_cli_trains_an_xpress_head_in_speculators_layout_that_decodes_losslessly
     convert(out)
     plain, spec = cli_plain_and_speculative(target_dir, out / "draft.pth", tmp_path)
     assert spec["tokens"] == plain["tokens"] and spec["cycles"] > 0
+
+
+def test_dflash2_selector_loss_labels_the_target_s_pick_among_the_top_k(checkpoints):
+    """The selector's cross-entropy is over the head's top-k by its own logits, labelled where the target's pick
+    sits among them; a pick outside them takes the last place."""
+    target_dir, _ = checkpoints("llama8")
+    target = load_target(target_dir / "model.pth", "cpu", "fp32")
+    head, _ = fresh_head(target, 4, kind="dflash2")
+    g = torch.Generator().manual_seed(2)
+    logits, h = torch.randn(1, 2, 96, generator=g), torch.randn(1, 2, 64, generator=g)
+    prev, order = torch.tensor([[5, 9]]), logits.argsort(-1, descending=True)
+    want = torch.stack([order[0, 0, 3], order[0, 1, 50]])[None]  # rank 3 of row 0; outside row 1's top 16
+    with torch.no_grad():
+        ce, _ = train_draft.selector_loss(head, logits, prev, h, want)
+        top = order[..., :16].clone()
+        top[0, 1, -1] = want[0, 1]
+        scores = head.candidate_selector.score(logits, prev, h, top)
+    expected = [-torch.log_softmax(scores[0, 0], -1)[3], -torch.log_softmax(scores[0, 1], -1)[15]]
+    torch.testing.assert_close(ce[0], torch.stack(expected))
