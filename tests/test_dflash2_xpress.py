@@ -235,7 +235,7 @@ def test_xpress_reads_the_committed_token_before_the_root_every_cycle(target8, t
         assert (root, before) == (truth[ctx], truth[ctx - 1])
 
 
-def test_decoding_stays_exact_compiled_batched_and_int8(target8, tmp_path):
+def test_decoding_stays_exact_compiled_batched_int8_head_and_target(target8, tmp_path):
     import quantize
     target_dir, hf = target8
     prompts = [[1, 5, 9], [1, 7, 8, 30, 31, 2]]
@@ -258,6 +258,22 @@ def test_decoding_stays_exact_compiled_batched_and_int8(target8, tmp_path):
         plain = generate.generate(small, prompts[1], 24, SamplingConfig())
         assert generate.generate(small, prompts[1], 24, SamplingConfig(), draft=int8,
                                  tree=TreeConfig(3, 3, 10)).tokens == plain.tokens
+    target_int8 = quantize.output_path(int8_target_dir(tmp_path, target_dir) / "model.pth", "int8", 128)
+    model = load_target(target_int8, "cpu", "fp32", 160)  # an int8 target, the head in fp32
+    for kind in ("dflash2", "xpress"):
+        draft = load_draft(tmp_path / f"{kind}-False-96-1" / "draft.pth", model)
+        for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):
+            assert generate.generate(model, prompts[1], 24, SamplingConfig(), draft=draft, tree=tree).tokens == \
+                generate.generate(model, prompts[1], 24, SamplingConfig()).tokens
+
+
+def int8_target_dir(tmp_path, target_dir):
+    """A copy of the target folder with its int8 file written beside model.pth."""
+    import shutil
+    import quantize
+    copy = shutil.copytree(target_dir, tmp_path / "target-int8")
+    quantize.main(["--checkpoint_path", str(copy / "model.pth"), "--mode", "int8"])
+    return copy
 
 
 @pytest.mark.parametrize("kind, edit, words", [
