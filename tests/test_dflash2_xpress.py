@@ -138,6 +138,16 @@ def test_dflash2_rows_and_selector_score_what_speculators_computes(target8, tmp_
         assert generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
 
 
+def truth_boost(rows, truth: list, ctx: int, g: torch.Generator):
+    """+100 on the target's own next token in random rows of a block after position ctx (row i drafts the token
+    i + 1 after the root), so that cycles accept 0..all drafts."""
+    boost = torch.zeros_like(rows)
+    for i in range(rows.shape[-2]):
+        if ctx + 1 + i < len(truth) and torch.rand(1, generator=g).item() < 0.6:
+            boost[i, truth[ctx + 1 + i]] = 100.0
+    return boost
+
+
 def test_dflash2_drafts_what_speculators_computes_at_every_cycle(target8, tmp_path, monkeypatch):
     """At every cycle of a generation (chain of the block after 0..all accepted drafts, and a tree) the block rows
     and the selector's scores after every token a level was scored after are what speculators computes for the
@@ -154,10 +164,7 @@ def test_dflash2_drafts_what_speculators_computes_at_every_cycle(target8, tmp_pa
 
     def boosted(target, root, ctx_len, levels, h_last):
         states, rows = draft_rows(target, root, ctx_len, levels, h_last)
-        boost = torch.zeros_like(rows)
-        for i in range(levels):  # row i drafts the token i + 1 after the root
-            if int(ctx_len) + 1 + i < len(truth) and torch.rand(1, generator=g).item() < 0.6:
-                boost[i, truth[int(ctx_len) + 1 + i]] = 100.0
+        boost = truth_boost(rows, truth, int(ctx_len), g)
         passes.append({"root": int(root), "ctx": int(ctx_len), "rows": rows, "boost": boost, "levels": []})
         return states, rows + boost
 
@@ -222,12 +229,8 @@ def test_xpress_reads_the_committed_token_before_the_root_every_cycle(target8, t
 
     def boosted(target, root, ctx_len, levels, h_last):
         states, rows = draft_rows(target, root, ctx_len, levels, h_last)
-        rows = rows.clone()
-        for i in range(levels):  # row i drafts the token i + 1 after the root
-            if int(ctx_len) + 1 + i < len(truth) and torch.rand(1, generator=g).item() < 0.6:
-                rows[i, truth[int(ctx_len) + 1 + i]] += 100.0
         seen.append(int(ctx_len))
-        return states, rows
+        return states, rows + truth_boost(rows, truth, int(ctx_len), g)
     monkeypatch.setattr(draft, "draft_rows", boosted)
     spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
     assert spec.tokens == plain.tokens and len(set(spec.accept_lengths)) > 2
