@@ -122,12 +122,44 @@ def read_scores(values: list, k: int) -> list:
     return [(row[0], [(int(i), p) for i, p in zip(row[1 + k:], row[1:1 + k])]) for row in rows]
 
 
-def prefill(model: Transformer, tokens: Tensor, start_pos: int):
-    """Write tokens [1, T] at positions start_pos.. into the cache; return (last logits, all features)."""
-    input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)
-    mask = causal_mask(input_pos, start_pos + tokens.shape[1])  # eager: attend over the filled slots only
-    logits, hidden = model(tokens, input_pos, input_pos, mask, logits_idx=torch.tensor([-1], device=tokens.device))
-    return logits[:, -1], hidden
+# Tokens a prefill forward takes at once (--prefill_chunk): a prompt is written in chunks, each attending to the
+# filled cache and causally within itself, so no tensor of T x T or T x L elements is ever made (a chunk's mask is
+# [chunk, L]) and the MLP's activations are a chunk's, not the prompt's. 512 measured best on a CPU (BENCHMARKS.md).
+PREFILL_CHUNK = 512
+
+
+def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
+    """Write tokens [1, T] at positions start_pos.. into the cache, chunk tokens per forward; yield for each chunk
+    (its offset in tokens, the logits after its last token [1, vocab], its features [1, n, F])."""
+    check_chunk(chunk)
+    for s in range(0, tokens.shape[1], chunk):
+        e = min(s + chunk, tokens.shape[1])
+        input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)
+        mask = causal_mask(input_pos, start_pos + e)  # eager: attend over the filled slots only
+        logits, features = model(tokens[:, s:e], input_pos, input_pos, mask,
+                                 logits_idx=torch.tensor([-1], device=tokens.device))
+        yield s, logits[:, -1], features
+
+
+def prefill(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
+    """Write tokens [1, T] at positions start_pos.. into the cache (in chunks); return (last logits, all features)."""
+    chunks = list(prefill_chunks(model, tokens, start_pos, chunk))
+    return chunks[-1][1], torch.cat([features for _, _, features in chunks], dim=1)
+
+
+def prefill_chunk_of(chunk: Optional[int], cache: int) -> int:
+    """The chunk a prefill uses: the one asked for (checked), or PREFILL_CHUNK (None)."""
+    if chunk is None:
+        return PREFILL_CHUNK
+    check_chunk(chunk)
+    if chunk > cache:
+        raise EagletError(f"the prefill chunk ({chunk} tokens) is larger than the cache ({cache} tokens)")
+    return chunk
+
+
+def check_chunk(chunk):
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise EagletError(f"the prefill chunk must be a positive whole number of tokens, got {chunk!r}")
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
@@ -293,13 +325,24 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
 
 
 def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
-                root: Tensor) -> Tensor:
+                root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
     """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
     on (features: the target's over prompt[first:]), the last one pairing with the root."""
     device = root.device
     pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
-    return catch_up(target, draft, pairs, features[0], torch.tensor(first, device=device),
-                    torch.tensor(len(pairs) - 1, device=device))
+    return draft_reads(target, draft, pairs, features[0], first, chunk)
+
+
+def draft_reads(target: Transformer, draft: DraftHead, next_tokens: Tensor, features: Tensor, first: int,
+                chunk: int = PREFILL_CHUNK) -> Tensor:
+    """The head reads the pairs (features[i], next_tokens[i]) of positions first.., chunk pairs per call (its masks
+    [chunk, L] at most); returns its output for the last pair."""
+    check_chunk(chunk)
+    for s in range(0, len(next_tokens), chunk):
+        e = min(s + chunk, len(next_tokens))
+        h_last = catch_up(target, draft, next_tokens[s:e], features[s:e], torch.tensor(first + s, device=features.device),
+                          torch.tensor(e - s - 1, device=features.device))
+    return h_last
 
 
 # EAGLET_RUN_AHEAD=0 turns running ahead off (an A/B for measuring it; see run_calls).
@@ -311,7 +354,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
              draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
-             constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None) -> GenerationResult:
+             constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
+             prefill_chunk: Optional[int] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -321,15 +365,17 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     (see run_calls). constraint (grammar.Constraint): structured output, exact under speculation
     (generate_constrained). sampling.logprobs >= 0: each token's logprobs, computed by the step or the verify that
     chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
-    returned in the result.
+    returned in the result. The prompt is prefilled prefill_chunk tokens per forward (default PREFILL_CHUNK), the
+    head reading each chunk as it goes.
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
                                     on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
-                                    scores=scores)
+                                    scores=scores, prefill_chunk=prefill_chunk)
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
+    prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
     if max_new_tokens == 0:
         return GenerationResult(list(prompt_tokens), [], 0.0)
     device = model.output.weight.device
@@ -337,7 +383,11 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     t0 = time.perf_counter()
     # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
     first = max(start_pos - 1, 0) if draft else start_pos
-    logits, features = prefill(model, torch.tensor([prompt_tokens[first:]], device=device), first)
+    new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
+    for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk):
+        if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
+            draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
+                        first + offset, prefill_chunk)
     token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
     tokens, accept_lengths = [], []
     scores = None if sampling.logprobs < 0 else [] if scores is None else scores
@@ -352,7 +402,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
         if draft is None:
             call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
         else:
-            h_last = draft_start(model, draft, prompt_tokens, first, features, token)
+            h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
             call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
         ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
@@ -497,7 +547,8 @@ def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: O
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampling: SamplingConfig,
                    eos_ids=(), on_tokens: Optional[Callable] = None, draft: Optional[DraftHead] = None,
-                   tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None) -> list:
+                   tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None,
+                   prefill_chunk: Optional[int] = None) -> list:
     """Several prompts decoded together, one GenerationResult each; greedy, every row gets the tokens and
     accepted lengths generate() gives it alone. The caches must hold len(prompts) rows (setup_caches).
 
@@ -514,14 +565,14 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     for prompt in prompts:
         check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)
     check_rows(model, draft, len(prompts))
+    prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
     device = model.output.weight.device
     device_sync(device)
     t0 = time.perf_counter()
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
-    pos = torch.arange(padded.shape[1], device=device)
-    logits, features = model(padded, pos, pos, causal_mask(pos, padded.shape[1]), logits_idx=(lengths - 1)[:, None])
-    token = sample(logits[:, 0], sampling)  # [B]
+    logits, features = prefill_rows(model, padded, lengths, prefill_chunk)
+    token = sample(logits, sampling)  # [B]
     rows = [[] for _ in prompts]
     accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
     emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
@@ -532,7 +583,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         step_fn = step_fn or speculative_cycle
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
         pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
-        h_last = catch_up(model, draft, pairs, features, torch.zeros_like(lengths), lengths - 1)
+        h_last = draft_reads_rows(model, draft, pairs, features, lengths, prefill_chunk)
     done, live, n_live = [False] * len(prompts), None, -1
     while True:
         for b in range(len(prompts)):
@@ -560,6 +611,35 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
             new = [o[1:check_agreed(o[0]) + 2] for o in out]
     return [GenerationResult(list(p), r, s, a, first_token_seconds)
             for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
+
+
+def prefill_rows(model: Transformer, padded: Tensor, lengths: Tensor, chunk: int):
+    """A batch's prompts padded [B, T] prefilled in chunks (as prefill_chunks): each row's logits after its own last
+    token [B, vocab] and every position's features [B, T, F]."""
+    logits, features = None, []
+    for s in range(0, padded.shape[1], chunk):
+        e = min(s + chunk, padded.shape[1])
+        pos = torch.arange(s, e, device=padded.device)
+        last = (lengths - 1 - s).clamp(0, e - s - 1)  # each row's last token, where it is in this chunk
+        chunk_logits, chunk_features = model(padded[:, s:e], pos, pos, causal_mask(pos, e), logits_idx=last[:, None])
+        ends_here = ((lengths - 1 >= s) & (lengths - 1 < e))[:, None]
+        logits = chunk_logits[:, 0] if logits is None else torch.where(ends_here, chunk_logits[:, 0], logits)
+        features.append(chunk_features)
+    return logits, torch.cat(features, dim=1)
+
+
+def draft_reads_rows(target: Transformer, draft: DraftHead, pairs: Tensor, features: Tensor, lengths: Tensor,
+                     chunk: int) -> Tensor:
+    """draft_reads for a batch: row b's pairs (features [B, T, F], pairs [B, T]) up to its root at lengths[b] - 1,
+    chunk pairs per call; the head's output for each row's last pair [B, dim]."""
+    h_last = None
+    for s in range(0, pairs.shape[1], chunk):
+        e = min(s + chunk, pairs.shape[1])
+        last = (lengths - 1 - s).clamp(0, e - s - 1)
+        h = catch_up(target, draft, pairs[:, s:e], features[:, s:e], torch.full_like(lengths, s), last)
+        ends_here = ((lengths - 1 >= s) & (lengths - 1 < e))[:, None]
+        h_last = h if h_last is None else torch.where(ends_here, h, h_last)
+    return h_last
 
 
 def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):
