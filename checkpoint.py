@@ -58,6 +58,7 @@ def check_config_values(config: dict):
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers >= 5 keeps rope_theta in it
     if not isinstance(rope, dict):
         raise EagletError(f"config rope_parameters / rope_scaling must be a JSON object, got {rope!r}")
+    check_rope_scaling(rope, "rope_parameters" if config.get("rope_parameters") else "rope_scaling")
     values = {"rms_norm_eps": config.get("rms_norm_eps", 1.0),
               "rope_theta": config["rope_theta"] if "rope_theta" in config else rope.get("rope_theta", 1.0)}
     for key, value in values.items():
@@ -67,6 +68,43 @@ def check_config_values(config: dict):
     if heads % kv_heads or (not config.get("head_dim") and config["hidden_size"] % heads):
         raise EagletError(f"config: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
                           f"and hidden_size {config['hidden_size']} of num_attention_heads (unless head_dim is set)")
+
+
+# The fields each rope scaling type needs, each a positive number; yarn's original_max_position_embeddings may be
+# left out (transformers then takes max_position_embeddings).
+ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                 "yarn": ("factor",)}
+YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow")  # positive numbers when given
+
+
+def check_rope_scaling(rope: dict, name: str):
+    """A rope scaling's fields (name: the config key holding them) as one clear error: missing, mistyped or
+    out of range."""
+    def number(value) -> bool:
+        return type(value) in (int, float) and math.isfinite(value)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    missing = [k for k in ROPE_REQUIRED.get(rope_type, ()) if k not in rope]
+    if missing:
+        raise EagletError(f"config {name} ({rope_type}) is missing {', '.join(missing)}")
+    positive = ROPE_REQUIRED.get(rope_type, ()) + (YARN_OPTIONAL if rope_type == "yarn" else ())
+    for key in positive:
+        value = rope.get(key)
+        if (key in ROPE_REQUIRED[rope_type] or value is not None) and not (number(value) and value > 0):
+            raise EagletError(f"config {name} {key} must be a positive number, got {value!r}")
+    old_len = rope.get("original_max_position_embeddings")
+    if old_len is not None and (type(old_len) is not int or old_len < 1):
+        raise EagletError(f"config {name} original_max_position_embeddings must be a positive integer, got {old_len!r}")
+    if rope_type != "yarn":
+        return
+    for key in ("mscale", "mscale_all_dim"):
+        value = rope.get(key)
+        if value is not None and not (number(value) and value >= 0):
+            raise EagletError(f"config {name} {key} must be a number >= 0, got {value!r}")
+    if rope.get("truncate") is not None and type(rope["truncate"]) is not bool:
+        raise EagletError(f"config {name} truncate must be true or false, got {rope['truncate']!r}")
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    if fast <= slow:
+        raise EagletError(f"config {name} beta_fast ({fast}) must be greater than beta_slow ({slow})")
 
 
 def load_state_dict(path) -> dict:

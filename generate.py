@@ -232,7 +232,7 @@ from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settin
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import Transformer, context_limit  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
 from tune import AUTO_SIZES, auto_tree, pick_total_tokens, tuning_cache_size, widest_tree  # noqa: E402
@@ -419,7 +419,7 @@ def configs(args, draft: Optional[DraftHead] = None):
 
 def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int) -> int:
     """--max_seq_length, or what this run needs; a total over the model's limit names its parts."""
-    limit = model.args.max_position_embeddings
+    limit, limit_words = context_limit(model.args)
     if prompt is None:
         size = args.max_seq_length or min(4096, limit)
         if size < scratch + 16:  # --interactive: room for a short turn and its reply
@@ -428,7 +428,7 @@ def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int)
         return size
     need = len(prompt) + args.max_new_tokens + scratch
     bound, what = (args.max_seq_length, f"--max_seq_length ({args.max_seq_length})") if args.max_seq_length else \
-        (limit, f"the model's max_position_embeddings ({limit})")
+        (limit, f"the model's {limit_words}")
     if need > bound:
         raise EagletError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens})"
                           f"{f' + tree scratch ({scratch})' if scratch else ''} = {need} exceeds {what}")

@@ -71,8 +71,10 @@ class ModelArgs:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_base = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise EagletError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are)")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise EagletError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, yarn are)")
+        if rope_type in ("llama3", "yarn"):  # as transformers: the length trained at is max_position_embeddings
+            rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 4096))
         sliding = config.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
             sliding = None
@@ -101,20 +103,73 @@ class ModelArgs:
             raise EagletError(f"{Path(checkpoint_dir) / 'config.json'}: {e}")
 
 
+def rope_type(scaling: Optional[dict]) -> str:
+    return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+
+
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
-    rope_type = scaling.get("rope_type", scaling.get("type"))
     factor = scaling["factor"]
-    if rope_type == "linear":
+    if rope_type(scaling) == "linear":
         return (inv_freq / factor).float()
+    if rope_type(scaling) == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, base, scaling).float()
     # llama3: wavelengths beyond old_len / low are slowed down by factor, those below old_len / high
     # kept, the band between interpolated; the clamp does all three.
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     smooth = ((old_len * inv_freq / (2 * math.pi) - low) / (high - low)).clamp(0, 1)
     return ((1 - smooth) * inv_freq / factor + smooth * inv_freq).float()
+
+
+def yarn_inv_freq(inv_freq: Tensor, head_dim: int, base: float, scaling: dict) -> Tensor:
+    """YaRN: the frequencies that turn more than beta_fast times over the original context are kept, those that
+    turn fewer than beta_slow times are divided by factor, and a linear ramp over the dimensions between."""
+    old_len = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(turns):  # the dimension pair whose frequency turns `turns` times over old_len (fractional)
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim_turning(fast), dim_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return ramp * inv_freq / scaling["factor"] + (1 - ramp) * inv_freq
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """What YaRN multiplies cos and sin by (so every q.k by its square): the config's attention_factor, else
+    mscale(mscale) / mscale(mscale_all_dim) where both are given (DeepSeek's form), else mscale(1); 1 for the
+    other types."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale(1)
+
+
+def context_limit(args: ModelArgs) -> tuple:
+    """The longest cache the model's positions allow, and its words for an error: max_position_embeddings, or
+    with rope scaling factor x original_max_position_embeddings where more (as vLLM and SGLang: Qwen3 and
+    Qwen2.5 enable YaRN by adding rope_scaling to a config that keeps max_position_embeddings 32768 or 40960).
+    Linear scaling names no original length: max_position_embeddings is it."""
+    max_pos, scaling = args.max_position_embeddings, args.rope_scaling
+    if scaling is None:
+        return max_pos, f"max_position_embeddings ({max_pos})"
+    old_len = scaling.get("original_max_position_embeddings", max_pos)
+    stretched = int(scaling["factor"] * old_len)
+    if stretched <= max_pos:
+        return max_pos, f"max_position_embeddings ({max_pos})"
+    return stretched, (f"limit under {rope_type(scaling)} rope scaling ({stretched} = factor {scaling['factor']} x "
+                       f"original_max_position_embeddings {old_len})")
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -260,8 +315,9 @@ class RotaryTable(nn.Module):
         inv_freq = rope_inv_freq(head_dim, base, scaling).to(device)
         freqs = torch.outer(torch.arange(max_seq_length, device=device, dtype=torch.float32), inv_freq)
         freqs = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        scale = rope_attention_factor(scaling)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, input_pos: Tensor, dtype):
         """input_pos [T] (every row at the same positions) or [B, T]; cos and sin broadcast over the heads."""
@@ -300,9 +356,9 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         args = self.args
-        if max_seq_length > args.max_position_embeddings:
-            raise EagletError(f"{max_seq_length} tokens exceed the model's max_position_embeddings "
-                              f"({args.max_position_embeddings})")
+        limit, what = context_limit(args)
+        if max_seq_length > limit:
+            raise EagletError(f"{max_seq_length} tokens exceed the model's {what}")
         if args.sliding_window and max_seq_length > args.sliding_window:
             raise EagletError(f"{max_seq_length} tokens exceed the sliding window ({args.sliding_window}); "
                               "eaglet treats attention as full, which is exact only within the window")

@@ -24,7 +24,7 @@ from decode import (SamplingConfig, TreeConfig, device_sync, draft_start, genera
                     speculative_cycle, weights_format)
 from draft import DraftHead
 from attention import causal_mask
-from model import EagletError, Transformer
+from model import EagletError, Transformer, context_limit
 import tp
 
 
@@ -275,7 +275,7 @@ def tuning_cache_size(args, model: Transformer, draft: DraftHead, encode: Callab
     it; a grid that does not fit is refused before anything is measured. encode: texts -> token lists."""
     calibration = encode(CALIBRATION_PROMPTS)
     need = max(map(len, calibration)) + CALIBRATION_TOKENS + scratch
-    size = size if args.max_seq_length else max(size, min(need, model.args.max_position_embeddings))
+    size = size if args.max_seq_length else max(size, min(need, context_limit(model.args)[0]))
     check_tune_fits([TreeConfig(*point) for point in tree_grid(draft)], calibration, CALIBRATION_TOKENS, size,
                     draft.vocab_size)
     return size
