@@ -195,7 +195,8 @@ BAD = {  # id: (rope_scaling, what the one line must say)
     "truncate a string": ({**YARN, "truncate": "false"}, "truncate must be true or false, got 'false'"),
     "llama3 without its band": ({"rope_type": "llama3", "factor": 8.0},
                                 "rope_scaling (llama3) is missing low_freq_factor, high_freq_factor"),
-    "linear factor zero": ({"rope_type": "linear", "factor": 0}, "rope_scaling factor must be a positive number, got 0"),
+    "linear factor zero": ({"rope_type": "linear", "factor": 0},
+                           "rope_scaling factor must be a positive number, got 0"),
 }
 
 
