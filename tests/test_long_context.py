@@ -1,0 +1,117 @@
+"""Long prompts: chunked prefill (the target's and every head's catch-up over a prompt) gives what one forward gives,
+held to transformers, and never makes a tensor of prompt x cache size."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import random_models
+from decode import SamplingConfig, TreeConfig, draft_start, generate, generate_batch, prefill
+from generate import load_target
+from model import EagletError
+
+GREEDY = SamplingConfig()
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor any operation makes (views and in-place writes make none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                    self.numel, self.op = t.numel(), f"{func} {tuple(t.shape)}"
+        return out
+
+
+@pytest.mark.parametrize("kind", ["llama31", "qwen3"])
+def test_chunked_prefill_gives_transformers_logits_at_every_position(checkpoints, kind):
+    """Chunks of 1, 7, 64 tokens and the whole prompt at once: the logits at every position equal transformers'
+    (fp32), and the features of every chunking equal one forward's."""
+    path, hf = checkpoints(kind)
+    model = load_target(path / "model.pth", "cpu", "fp32", 400)
+    tokens = torch.randint(4, 96, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(tokens).logits[0]
+        runs = {chunk: prefill(model, tokens, 0, chunk) for chunk in (1, 7, 64, 300)}
+    for chunk, (last, features) in runs.items():
+        logits = model.logits(features)[0]  # the features are the final-normed hidden states
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=f"chunk {chunk}")
+        torch.testing.assert_close(last[0], want[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features, runs[300][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_16k_prefill_allocates_nothing_of_prompt_times_cache_size():
+    """A 16,000-token prompt on a small model, chunks of 256: no operation makes a tensor larger than a few
+    chunk x cache elements (a one-shot prefill makes prompt x cache ones, which the same recorder sees)."""
+    target, _ = random_models("tiny", "cpu", torch.float32, 16384)
+    tokens = torch.randint(0, 1024, (1, 16000), generator=torch.Generator().manual_seed(0))
+    chunk, cache = 256, target.max_seq_length
+    with torch.no_grad(), LargestAllocation() as chunked:
+        generate(target, tokens[0].tolist(), 1, GREEDY, prefill_chunk=chunk)
+    assert chunked.numel <= target.args.n_head * chunk * cache, chunked.op
+    with torch.no_grad(), LargestAllocation() as one_shot:
+        prefill(target, tokens[:, :4000], 0, 4000)
+    assert one_shot.numel >= 4000 * 4000, one_shot.op  # the recorder does see a prompt x prompt mask
+
+
+@pytest.mark.parametrize("head", ["eagle", "dflash", "peagle", "xpress"])
+def test_a_head_reads_a_prompt_in_chunks_as_in_one_call(head):
+    """draft_start over a 300-token prompt in chunks of 7, 41 and 300 pairs: the same h_last and the same K/V in
+    the head's cache; and generate() with any chunk decodes the same tokens as plain decoding."""
+    target, draft = random_models("tiny", "cpu", torch.float32, 1024, head=head)
+    prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    root = torch.tensor(5)
+    with torch.no_grad():
+        _, features = prefill(target, torch.tensor([prompt]), 0)
+        states = {}
+        for chunk in (300, 41, 7):
+            draft.kv_cache.kv.zero_()
+            h_last = draft_start(target, draft, prompt, 0, features, root, chunk)
+            states[chunk] = (h_last, draft.kv_cache.kv[:, :, :, :, :300].clone())
+    for chunk in (41, 7):
+        torch.testing.assert_close(states[chunk][0], states[300][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states[chunk][1], states[300][1], atol=1e-5, rtol=1e-5)
+    tree = TreeConfig(depth=3, topk=2, total_tokens=8) if head == "eagle" else TreeConfig(depth=3, topk=1, total_tokens=5)
+    plain = generate(target, prompt, 12, GREEDY, prefill_chunk=300)
+    for chunk in (64, 300):
+        run = generate(target, prompt, 12, GREEDY, draft=draft, tree=tree, prefill_chunk=chunk)
+        assert run.tokens == plain.tokens
+
+
+def test_batch_rows_prefilled_in_chunks_decode_as_each_alone():
+    """generate_batch with chunks shorter than the prompts (whose ends fall in different chunks): each row decodes
+    what it decodes alone, plain and with a head."""
+    target, draft = random_models("tiny", "cpu", torch.float32, 512, head="eagle")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (70, 33, 130)]
+    tree = TreeConfig(depth=2, topk=2, total_tokens=6)
+    target.setup_caches(3, 512)
+    draft.setup_caches(512, 3)
+    for head in (None, draft):
+        rows = generate_batch(target, prompts, 10, GREEDY, draft=head, tree=tree, prefill_chunk=32)
+        target.setup_caches(1, 512)
+        draft.setup_caches(512)
+        alone = [generate(target, p, 10, GREEDY, draft=head, tree=tree) for p in prompts]
+        target.setup_caches(3, 512)
+        draft.setup_caches(512, 3)
+        assert [r.tokens for r in rows] == [a.tokens for a in alone]
+
+
+@pytest.mark.parametrize("chunk, match", [(0, "positive whole number"), (-3, "positive whole number"),
+                                          (2.5, "positive whole number"), ("64", "positive whole number"),
+                                          (True, "positive whole number"), (4096, "larger than the cache")])
+def test_a_bad_prefill_chunk_is_one_error(chunk, match):
+    target, _ = random_models("tiny", "cpu", torch.float32, 256)
+    with pytest.raises(EagletError, match=match):
+        generate(target, [1, 2, 3], 2, GREEDY, prefill_chunk=chunk)
+
+
+def test_a_prompt_longer_than_the_cache_names_both_lengths():
+    target, _ = random_models("tiny", "cpu", torch.float32, 256)
+    with pytest.raises(EagletError, match=r"prompt \(300 tokens\).*exceeds the cache \(256 tokens\)"):
+        generate(target, list(range(300)), 1, GREEDY)
