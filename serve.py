@@ -15,7 +15,9 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -35,7 +37,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Str
 import generate
 from chat import TextStreamer, warm_up
 from checkpoint import EagletError
-from cli import cli_parser, int_flag
+from cli import cli_parser, float_flag, int_flag
 from decode import MAX_TOP_LOGPROBS, SamplingConfig, compile_settings, compile_step, decode_one_token, speculative_cycle
 from grammar import Constraint, grammar_of, response_format_grammar, token_bytes
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable
@@ -65,7 +67,7 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status, headers=headers)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the server keeps a set of live jobs
 class Job:
     """One request as the engine runs it; events go back to the HTTP side through its loop."""
     prompt: list
@@ -175,9 +177,11 @@ class Engine:
         while self.failure is None:
             jobs = []
             for job in self.next_jobs():
-                if job.cancelled.is_set():  # its client left while it waited
+                if job.cancelled.is_set():  # its client left, or the server is shutting down, while it waited
                     self.metrics.count("aborted")
-                    job.send("done", None)
+                    job.send("done", {"finish_reason": "abort", "text": "", "usage": choice_usage(job.prompt, 0, 0),
+                                      "logprobs": [] if job.sampling.logprobs >= 0 else None,
+                                      "eaglet": {"cycles": 0, "tau": None, "tokens_per_s": 0.0, "seconds": 0.0}})
                 else:
                     jobs.append(job)
             try:
@@ -208,7 +212,7 @@ class Engine:
             keep = streamer(new)
             state["stopped"] = keep is not None
             if keep is None and (job.cancelled.is_set() or state["count"] + len(new) >= job.max_tokens):
-                keep = 0 if job.cancelled.is_set() else len(new)
+                keep = len(new)  # cancelled: the cycle's tokens are the reply's last (their text is sent)
             state["logprobs"] += self.logprobs(job, state["count"], new if keep is None else new[:keep])
             for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
                 job.send("text", (text, start, marks, self.unsent(state) if i == len(written) - 1 else []))
@@ -250,7 +254,8 @@ class Engine:
         if state["logprobs"]:  # tokens whose text never came (held back, then cut)
             job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, self.unsent(state)))
         eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
-        finish = "length" if len(result.tokens) >= job.max_tokens and not (state["stopped"] or eos) else "stop"
+        finish = "stop" if state["stopped"] or eos else "length" if len(result.tokens) >= job.max_tokens \
+            else "abort" if job.cancelled.is_set() else "stop"
         cycles = len(result.accept_lengths)
         self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
                            completion_tokens=len(result.tokens), cached_tokens=cached, cycles=cycles,
@@ -258,12 +263,11 @@ class Engine:
         if job.constraint is not None:
             self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
                                grammar_cuts=job.constraint.cuts, forced_tokens=job.constraint.forced_tokens)
-        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": {
-            "prompt_tokens": len(job.prompt), "completion_tokens": len(result.tokens),
-            "total_tokens": len(job.prompt) + len(result.tokens), "prompt_tokens_details": {"cached_tokens": cached}},
-            "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
-            "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
-                       "tokens_per_s": result.tokens_per_s, "seconds": seconds}})
+        job.send("done", {"finish_reason": finish, "text": streamer.text,
+                          "usage": choice_usage(job.prompt, len(result.tokens), cached),
+                          "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
+                          "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
+                                     "tokens_per_s": result.tokens_per_s, "seconds": seconds}})
 
     def run(self, job: Job):
         start = 0
@@ -426,6 +430,7 @@ class Server:
 
     def __init__(self, engine: Engine, api_key: Optional[str], allowed_origins=("*",), aliases=("eaglet",)):
         self.engine, self.api_key = engine, api_key
+        self.draining, self.live = False, set()  # live: the jobs of replies not yet sent whole
         self.model_ids = [engine.name] + [a for a in aliases if a != engine.name]
         self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/", self.page, methods=["GET"])
@@ -455,8 +460,8 @@ class Server:
     async def page(self):
         return FileResponse(PAGE, media_type="text/html")
 
-    async def health(self):
-        return {"status": "ok"}
+    async def health(self):  # 503 once shutting down, so that a load balancer sends no more
+        return JSONResponse({"status": "shutting down"}, 503) if self.draining else {"status": "ok"}
 
     async def metrics(self):
         return PlainTextResponse(self.engine.metrics.text(self.engine.jobs.qsize()))
@@ -472,6 +477,9 @@ class Server:
         return await self.complete(request, chat=False)
 
     async def complete(self, request: Request, chat: bool):
+        if self.draining:
+            self.engine.metrics.count("refused")
+            return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
         try:
             jobs, stream, usage_in_stream = self.make_jobs(await self.body(request), chat)
         except ApiError as e:
@@ -486,6 +494,7 @@ class Server:
                 self.engine.metrics.count("queue_full")
                 return ApiError(503, "the server is busy: its queue is full; try again shortly").response(
                     {"Retry-After": "1"})
+        self.live.update(jobs)
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": reply_id, "created": int(time.time()), "model": self.engine.name,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -673,6 +682,7 @@ class Server:
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(jobs, finished)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            self.live.difference_update(jobs)
             for job in jobs:
                 job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
 
@@ -687,6 +697,7 @@ class Server:
                 elif kind == "error":
                     return ApiError(500, f"generation failed: {value}").response()
         finally:
+            self.live.difference_update(jobs)
             for job in jobs:
                 job.cancelled.set()
         if len(done) < len(jobs):
@@ -722,6 +733,11 @@ def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
             "text_offset": starts}, before
 
 
+def choice_usage(prompt: list, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt) + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def usage(jobs: list, done: dict) -> dict:
     """OpenAI's usage of a request: each distinct prompt once, every choice's completion."""
     firsts = {}
@@ -750,6 +766,38 @@ async def events(jobs: list, request: Optional[Request] = None):
         left -= kind in ("done", "error")
 
 
+class DrainingUvicorn(uvicorn.Server):
+    """uvicorn with a shutdown that ends within a bound: the first SIGTERM or SIGINT turns new requests away (503)
+    and gives the replies in flight grace seconds; then it cancels them (the engine stops at the end of the cycle
+    under way: finish_reason "abort") and exits 0 once they are sent. A second signal ends the process at once."""
+    CANCEL_WAIT = 2.0  # seconds past the grace for the cancelled replies (a long prefill runs on); then exit anyway
+
+    def __init__(self, config: uvicorn.Config, api: "Server", grace: float):
+        super().__init__(config)
+        self.api, self.grace, self.signalled_at, self.stage = api, grace, None, "running"
+
+    def handle_exit(self, sig: int, frame):  # replaces uvicorn's, which waits for every reply however long
+        if self.signalled_at is not None:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+        self.signalled_at, self.api.draining = time.monotonic(), True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.signalled_at is not None and not self.should_exit:
+            waited, live = time.monotonic() - self.signalled_at, self.api.live
+            if self.stage == "running":
+                print(f"shutting down: {len(live)} generations in flight, {self.grace:g} s to finish", flush=True)
+                self.stage = "draining"
+            if waited >= self.grace and self.stage == "draining":
+                if live:
+                    print(f"shutting down: {len(live)} generations cancelled", flush=True)
+                for job in live:
+                    job.cancelled.set()
+                self.stage = "cancelled"
+            self.should_exit = not live or waited >= self.grace + self.CANCEL_WAIT
+        return await super().on_tick(counter)
+
+
 def parse_args(argv=None):
     p = generate.model_flags(cli_parser(__doc__))
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -765,6 +813,9 @@ def parse_args(argv=None):
     p.add_argument("--max_batch", type=int_flag(1), default=1,
                    help="greedy requests that wait together run as one batch of up to this many rows, each row "
                         "exactly its own reply (caches of this many rows)")
+    p.add_argument("--shutdown_grace", type=float_flag(0, 3600), default=5.0,
+                   help="on SIGTERM / SIGINT, seconds the replies in flight may run on before they are cancelled "
+                        "(new requests get 503 at once; a second signal exits at once)")
     args = p.parse_args(argv)
     generate.check_model_flags(p, args)
     # what generate.load reads beside the model flags: a server is one long conversation, as --interactive
@@ -796,10 +847,16 @@ def main(argv=None):
         print(f"warning: listening on {args.host} without --api_key: anyone who reaches it can use it")
     host, port = sock.getsockname()[:2]
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-    app = Server(engine, args.api_key, origins, args.served_model_name or ["eaglet"]).app
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    api = Server(engine, args.api_key, origins, args.served_model_name or ["eaglet"])
+    # timeout_graceful_shutdown: a connection still open once the replies are done or cancelled gets 1 s more
+    server = DrainingUvicorn(uvicorn.Config(api.app, log_level="warning", timeout_graceful_shutdown=1), api,
+                             args.shutdown_grace)
     print(f"eaglet serving {engine.name} at http://{host}:{port} (OpenAI API under /v1, a chat page at /)", flush=True)
-    server.run(sockets=[sock])  # Ctrl-C / SIGTERM: uvicorn stops cleanly and the port is freed
+    server.run(sockets=[sock])  # returns after the first SIGTERM / SIGINT, within the bound above
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # not the interpreter's teardown: it takes a second with torch loaded, and the engine may still be in a prefill
+    os._exit(0)
 
 
 if __name__ == "__main__":
