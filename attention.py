@@ -32,6 +32,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     if isinstance(mask, SplitMask):
         return split_attention(q, k, v, mask)
+    if isinstance(mask, WindowMask):
+        k, v, mask = window_inputs(k, v, mask)
     return F.scaled_dot_product_attention(**sdpa_inputs(q, k, v, mask)).reshape(q.shape)
 
 
@@ -244,6 +246,34 @@ def boolean_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tensor:
     rel = cols - ctx_len
     in_block = (rel >= 0) & (rel < block.shape[1])
     return (cols < ctx_len) | (block.index_select(1, rel.clamp(0, block.shape[1] - 1)) & in_block)
+
+
+@dataclass
+class WindowMask:
+    """A draft head's context window: T tokens written at cache slots ctx_len.. see the first `sinks` slots and the
+    last `window` slots before ctx_len (not the context between), and among their own W slots what block [T, W]
+    allows. Every query of a call sees the same context band. With ctx_len [B] and block [B, T, W]: a batch."""
+    ctx_len: Tensor
+    block: Tensor
+    sinks: int
+    window: int
+    n_kv: int
+
+
+def window_inputs(k: Tensor, v: Tensor, mask: WindowMask):
+    """The band's K/V gathered from the cache [B, H_kv, S, D] and a boolean mask over it [T, band] (or [B, T, band]):
+    sinks + window + W slots whatever the context's length, so a call's cost stays flat as the context grows."""
+    bsz, width = k.shape[0], mask.block.shape[-1]
+    ctx = mask.ctx_len.reshape(-1, 1).expand(bsz, 1)
+    sink = torch.arange(mask.sinks, device=k.device).expand(bsz, -1)
+    recent = ctx - mask.window + torch.arange(mask.window, device=k.device)
+    own = ctx + torch.arange(width, device=k.device)
+    slots = torch.cat([sink, recent, own], dim=1)  # [B, band]
+    seen = torch.cat([sink < ctx, (recent >= mask.sinks) & (recent < ctx)], dim=1)  # a sink never twice
+    block = mask.block.expand(bsz, -1, -1) & (own < mask.n_kv)[:, None]
+    visible = torch.cat([seen[:, None].expand(-1, block.shape[1], -1), block], dim=2)  # [B, T, band]
+    index = slots.clamp(0, mask.n_kv - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+    return k.gather(2, index), v.gather(2, index), visible if mask.ctx_len.ndim else visible[0]
 
 
 def causal_mask(input_pos: Tensor, max_seq_length: int) -> Tensor:

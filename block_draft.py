@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from attention import attention_mask
 from draft import DraftHead, Eagle3Draft, Eagle3Flags
 from draft_tree import head_name, take
 from model import EagletError, ModelArgs, RMSNorm, Transformer, TransformerBlock
@@ -69,7 +68,7 @@ class PEagleDraft(Eagle3Draft):
         pos = ctx_len[..., None] + torch.arange(n, device=ctx_len.device)
         inputs = self.fuse(self.mask_hidden[0]).expand(*tokens.shape, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=root.device).tril()
-        h = self.step(target, tokens, inputs, pos, pos, attention_mask(ctx_len, causal, self.max_seq_length))
+        h = self.step(target, tokens, inputs, pos, pos, self.context_mask(ctx_len, causal))
         return torch.cat([h_last[..., None, :], h], dim=-2)
 
     def next_logits(self, row_logits: Tensor, prev: Tensor, row_state: Tensor) -> Tensor:
@@ -104,6 +103,8 @@ class DFlashDraft(DraftHead):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False) if draft_vocab_size else None
         self.block_size, self.mask_token_id, self.anchor_drafts = block_size, mask_token_id, anchor_drafts
+        if args.sliding_window:  # trained attending to a window of the context: drafted with that window
+            self.set_window(args.sliding_window, sinks=0)
 
     @property
     def first_row(self) -> int:
@@ -119,13 +120,6 @@ class DFlashDraft(DraftHead):
     def default_depth(self) -> int:
         """A tree's depth + 1 levels below the root: the whole block's drafts."""
         return self.max_levels - 1
-
-    def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
-        window = self.args.sliding_window
-        if window and max_seq_length > window:
-            raise EagletError(f"{max_seq_length} tokens exceed the {head_name(self)} head's sliding window ({window}); "
-                              "eaglet runs its layers with full attention, which is exact only within the window")
-        super().setup_caches(max_seq_length, max_batch_size)
 
     def blocks(self) -> list:
         return list(self.layers)
@@ -159,7 +153,7 @@ class DFlashDraft(DraftHead):
         x = target.tok_embeddings(tokens.view(-1, n))
         cos, sin = self.rope(pos, x.dtype)
         every = torch.ones(n, n, dtype=torch.bool, device=root.device)  # not causal: the whole block sees itself
-        mask = attention_mask(ctx_len, every, self.max_seq_length)
+        mask = self.context_mask(ctx_len, every)
         for layer in self.layers:
             x = layer(x, cos, sin, pos, mask)
         return self.norm(x).view(*root.shape, n, -1)

@@ -25,11 +25,14 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from attention import attention_mask
+from attention import WindowMask, attention_mask
 from model import (Attention, EagletError, FeedForward, KVCache, ModelArgs, RMSNorm, RotaryTable, Transformer,
                    TransformerBlock)
 from quantize import Int8Linear
 from draft_tree import DraftTree, build_tree, head_name, take  # noqa: F401 (DraftTree, build_tree: their old import path)
+
+
+DRAFT_SINKS = 4  # with a draft window, the first positions a head always sees (attention sinks, as StreamingLLM keeps)
 
 
 class DraftHead(nn.Module):
@@ -49,6 +52,7 @@ class DraftHead(nn.Module):
         self.max_seq_length = 0
         self.feature_layers: tuple = ()
         self.register_buffer("draft_to_target", None, persistent=False)  # [draft vocab] target ids; None: all
+        self.window: Optional[tuple] = None  # (sinks, window): the context it attends to (set_window); None: all
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +80,25 @@ class DraftHead(nn.Module):
             block.attention.kv_cache = self.kv_cache.layer(i)
         self.setup_rope(max_seq_length)
 
+    def set_window(self, window: Optional[int], sinks: int = DRAFT_SINKS):
+        """Attend to the first sinks positions and the last window positions of the context only (None: all of it),
+        so the head's cost per call stays flat as the context grows. Only the drafts change: the target verifies."""
+        for name, value in (("draft window", window), ("draft sinks", sinks)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (name == "draft window")):
+                raise EagletError(f"the {name} must be a {'positive' if name == 'draft window' else 'non-negative'} whole "
+                                  f"number of positions, got {value!r}")
+        if window is not None and self.max_seq_length and sinks + window > self.max_seq_length:
+            raise EagletError(f"the draft window ({window} positions, and {sinks} sinks) is larger than the cache "
+                              f"({self.max_seq_length} tokens)")
+        self.window = None if window is None else (sinks, window)
+
+    def context_mask(self, ctx_len: Tensor, block: Tensor):
+        """The mask of a call of the head's over its cache: tokens at slots ctx_len.. see the context (or its window)
+        and what block [T, W] allows of their own slots (attention.attention_mask)."""
+        if self.window is None or sum(self.window) >= self.max_seq_length:  # the window holds the whole cache
+            return attention_mask(ctx_len, block, self.max_seq_length)
+        return WindowMask(ctx_len, block, *self.window, self.max_seq_length)
+
     def catch_up(self, target: Transformer, tokens: Tensor, features: Tensor, ctx_len: Tensor,
                  n_accepted: Tensor) -> Tensor:
         """The head reads the committed pairs (f_t, x_{t+1}) at positions ctx_len.. (tokens [T] and the target's
@@ -84,7 +107,7 @@ class DraftHead(nn.Module):
         pos = ctx_len[..., None] + torch.arange(tokens.shape[-1], device=ctx_len.device)
         causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=ctx_len.device).tril()
         # the mask built from ctx_len itself: split attention's flex mask_mod reads it, a graph input
-        h = self.step(target, tokens, features, pos, pos, attention_mask(ctx_len, causal, self.max_seq_length))
+        h = self.step(target, tokens, features, pos, pos, self.context_mask(ctx_len, causal))
         return take(h, n_accepted[..., None])[..., 0, :]
 
     def tree_grid(self) -> tuple:

@@ -25,7 +25,6 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from attention import attention_mask
 from model import EagletError, Transformer
 
 
@@ -114,16 +113,18 @@ class TreeConfig:
             children = lattice(target, head, root, ctx_len, h_last, self.depth + 1, self.topk)
             return grow_lattice(children, root, self.depth + 1, self.topk, self.total_tokens)
         return build_tree(partial(head.step, target), partial(head.topk, target), h_last, root, ctx_len,
-                          self.topk, self.depth, self.total_tokens, target.max_seq_length)
+                          self.topk, self.depth, self.total_tokens, head.context_mask)
 
 
 def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, topk: int, depth: int,
-               total_tokens: int, max_seq_length: int) -> DraftTree:
+               total_tokens: int, context_mask) -> DraftTree:
     """EAGLE-2's dynamic tree with fixed shapes and no loop over nodes: expand the topk best nodes of each
     level topk ways (depth draft passes), then keep the total_tokens - 1 best of all candidates by cumulative
     draft log-probability (a node's score is its whole path's).
 
-    step(tokens [k], features [k, dim], input_pos [k], slots [k], mask [k, S]) -> draft outputs [k, dim];
+    step(tokens [k], features [k, dim], input_pos [k], slots [k], mask) -> draft outputs [k, dim];
+    context_mask(ctx_len, block [k, W]) -> the mask of a level's nodes (they see the context and the block's slots:
+    the head's context_mask);
     topk_fn(h [..., dim], k) -> the k best draft log-probabilities and their token ids [..., k]. Level i of the frontier sits at position
     ctx_len + i and is written to draft slots ctx_len + i * topk + j. A batch: h_last [B, dim], root and
     ctx_len [B], every shape above with a leading [B], one tree per row (each at its own ctx_len).
@@ -141,7 +142,7 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
         slots = torch.arange(i * topk, (i + 1) * topk, device=device)
         anc[..., slots] |= torch.eye(topk, dtype=torch.bool, device=device)
         h = step(tokens, features, (start + i).expand_as(tokens), start + slots,
-                 attention_mask(ctx_len, anc, max_seq_length))
+                 context_mask(ctx_len, anc))
         child_logp, child_tokens = topk_fn(h, topk)  # [..., k, k]
         child_scores = (scores[..., None] + child_logp).flatten(-2)
         base = topk + i * topk * topk
@@ -344,7 +345,7 @@ class StaticTree:
                 if d + 1 == self.depth:
                     break
                 features = features[..., level["parent"], :]
-                mask = attention_mask(ctx_len, t["draft_seen"][level["tree"]], target.max_seq_length)
+                mask = head.context_mask(ctx_len, t["draft_seen"][level["tree"]])
                 h = head.step(target, tokens[..., level["tree"]], features, (start + d).expand_as(level["slots"] + start),
                               start + level["slots"], mask)
                 child_logp, child_ids, features = *head.topk(target, h, self.topk), h

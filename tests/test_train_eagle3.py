@@ -56,7 +56,7 @@ def tree_outputs(target, head, tokens, features, t, steps, topk=3):
         path_outputs.append(out[0])
         return out
 
-    build_tree(step, topk_fn, h_last, tokens[t + 1], torch.tensor(t + 1), topk, steps - 1, 10, 64)
+    build_tree(step, topk_fn, h_last, tokens[t + 1], torch.tensor(t + 1), topk, steps - 1, 10, head.context_mask)
     return torch.stack(path_outputs)
 
 

@@ -1,6 +1,7 @@
 """The dynamic draft tree against a brute-force, node-by-node reading of EAGLE-2's rule: expand the topk best
 nodes of each level topk ways, then keep the total_tokens - 1 best candidates by cumulative log-probability."""
 import pytest
+from functools import partial
 import torch
 
 from draft import build_tree
@@ -62,7 +63,8 @@ def test_tree_matches_brute_force(topk, depth, total_tokens, seed):
     draft = FakeDraft(seed)
     h_last = torch.randn(H, generator=torch.Generator().manual_seed(100 + seed))
     root, ctx_len, size = torch.tensor(7), torch.tensor(11), 11 + max(depth * topk, total_tokens) + 5
-    tree = build_tree(draft.step, lambda h, k: draft.logp(h).topk(k), h_last, root, ctx_len, topk, depth, total_tokens, size)
+    tree = build_tree(draft.step, lambda h, k: draft.logp(h).topk(k), h_last, root, ctx_len, topk, depth, total_tokens,
+                       partial(attention_mask, max_seq_length=size))
     calls = list(draft.calls)
     expected, levels = reference_tree(draft, h_last, topk, depth, total_tokens)
 
