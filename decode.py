@@ -59,6 +59,7 @@ class GenerationResult:
     logprobs: list = field(default_factory=list)  # with sampling.logprobs = k: per token (logprob, [(id, logprob)] * k)
     uncached: int = 1  # the last tokens whose K/V the cache lacks: the last one, sampled and never fed back (or a run
     # of forced tokens after it); a next turn reusing the cache starts before them
+    plain_tokens: int = 0  # with a head and step_aside: the tokens decoded by plain steps, speculation stepped aside
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +75,70 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens emitted per cycle, bonus included."""
         return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+@dataclass
+class StepAside:
+    """Speculation that steps aside where it does not pay: generate() keeps running estimates (the newest call weighs
+    `smoothing`) of a cycle's time, of tokens per cycle (tau) and of a plain step's time, and decodes plainly while
+    a cycle costs more than tau plain steps (by more than `margin`). After `retry_after` plain tokens it speculates
+    again for `trial_cycles` cycles and judges anew; where no plain step was timed yet, `probe_steps` plain steps
+    time one. Switching happens between calls, and both ways are exact, so the output is what plain decoding gives
+    (greedy) or follows the target's law (sampling) either way. One object may serve many generations: its estimates
+    carry over (a server's, a CLI run's warm-up). plain_tokens and switches count what it did."""
+    retry_after: int = 64
+    trial_cycles: int = 4
+    probe_steps: int = 4
+    margin: float = 0.05
+    smoothing: float = 0.3
+    clock: Callable = time.perf_counter
+    step_seconds: float = 0.0
+    cycle_seconds: float = 0.0
+    tau: float = 0.0
+    plain_tokens: int = 0
+    switches: int = 0
+    speculating: bool = True
+    calls: int = 0  # in the current mode
+    budget: int = 0  # plain tokens to go before the next judgement
+    probing: bool = False  # the plain steps time a step (none was timed before)
+
+    def pays(self) -> bool:
+        """Whether a cycle gives more tokens a second than plain steps (unknown costs: assume it does)."""
+        if not (self.step_seconds and self.cycle_seconds and self.tau):
+            return True
+        return self.cycle_seconds / self.tau <= self.step_seconds * (1 + self.margin)
+
+    def observe(self, seconds: float, n_tokens: int):
+        """A call of the current mode took seconds (from the previous call's read to its own) and emitted n_tokens.
+        A mode's first call is not timed: it carries the switch (the head's catch-up) or a compilation."""
+        self.calls += 1
+        if self.speculating:
+            if self.calls > 1:
+                self.cycle_seconds = self.average(self.cycle_seconds, seconds)
+            self.tau = self.average(self.tau, n_tokens)
+        else:
+            if self.calls > 1:
+                self.step_seconds = self.average(self.step_seconds, seconds)
+            self.plain_tokens += n_tokens
+            self.budget -= n_tokens
+
+    def average(self, old: float, new: float) -> float:
+        return new if not old else (1 - self.smoothing) * old + self.smoothing * new
+
+    def switch_now(self) -> bool:
+        """Whether the next call should be of the other mode; if so, the mode is switched."""
+        if self.speculating:
+            if self.calls <= self.trial_cycles or (self.step_seconds and self.pays()):
+                return False
+            # a trial that does not pay, or no plain step timed yet: plain steps, to wait or to time one
+            self.budget, self.probing = (self.retry_after, False) if self.step_seconds else (self.probe_steps, True)
+        elif self.budget > 0:
+            return False
+        elif self.probing and not self.pays():  # the probe timed a step, and speculation loses: wait
+            self.budget, self.probing = self.retry_after, False
+            return False
+        self.speculating, self.calls, self.switches = not self.speculating, 0, self.switches + 1
+        return True
 
 
 def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
@@ -355,7 +420,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
              constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
-             prefill_chunk: Optional[int] = None) -> GenerationResult:
+             prefill_chunk: Optional[int] = None, step_aside: Optional[StepAside] = None,
+             plain_fn: Optional[Callable] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -366,12 +432,14 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     (generate_constrained). sampling.logprobs >= 0: each token's logprobs, computed by the step or the verify that
     chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
     returned in the result. The prompt is prefilled prefill_chunk tokens per forward (default PREFILL_CHUNK), the
-    head reading each chunk as it goes.
+    head reading each chunk as it goes. step_aside (StepAside, with a head): plain steps (plain_fn, e.g. compiled;
+    default decode_one_token) wherever speculation does not pay.
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
                                     on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
-                                    scores=scores, prefill_chunk=prefill_chunk)
+                                    scores=scores, prefill_chunk=prefill_chunk, step_aside=step_aside,
+                                    plain_fn=plain_fn)
     prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
@@ -397,6 +465,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
     done = emit([token.item()])
     first_token_seconds = time.perf_counter() - t0
+    plain_tokens = 0
     if not done:
         ctx_len = torch.tensor(len(prompt_tokens), device=device)
         if draft is None:
@@ -406,14 +475,22 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
         ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
-        run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
-                  accept_lengths if draft is not None else None, scores, sampling.logprobs)
+        if draft is not None and step_aside is not None:
+            plain = partial(plain_call, model, sampling, plain_fn)
+            plain_before = step_aside.plain_tokens
+            run_stepping_aside(step_aside, call, plain, state, prompt_tokens, tokens, emit, max_new_tokens, widest,
+                               ahead, accept_lengths, scores, sampling.logprobs, partial(catch_up_plain, model, draft,
+                                                                                          chunk=prefill_chunk))
+            plain_tokens = step_aside.plain_tokens - plain_before
+        else:
+            run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
+                      accept_lengths if draft is not None else None, scores, sampling.logprobs)
     seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)
     if scores is not None:
         del scores[scored + len(tokens):]  # those of tokens cut at EOS, max_new_tokens or a stop
     return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds,
-                            scores[scored:] if scores is not None else [])
+                            scores[scored:] if scores is not None else [], plain_tokens=plain_tokens)
 
 
 def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
@@ -460,6 +537,47 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
             return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
                                     logprobs, len(run) + 1 if segment.tokens else len(run))
         start_pos = len(context) + len(segment.tokens) - 1
+
+
+def run_stepping_aside(gate: StepAside, cycle, plain, state, prompt: list, tokens: list, emit: Callable,
+                       max_new_tokens: int, widest: int, ahead: bool, accept_lengths: list, scores, k: int,
+                       head_reads: Callable):
+    """run_calls in segments of cycles or of plain steps, as gate says after each call. A segment ends at the
+    gate's switch (a call queued ahead is thrown away, as at the end of a generation); plain steps start from the
+    last root, and cycles again after the head has read what the plain steps wrote (head_reads)."""
+    finished, last = [False], [gate.clock()]
+
+    def emit_and_judge(new: list) -> bool:
+        n_before = len(tokens)
+        finished[0] = emit(new)
+        now = gate.clock()
+        gate.observe(now - last[0], len(tokens) - n_before)
+        last[0] = now
+        return finished[0] or gate.switch_now()
+
+    head_at = len(prompt)  # where the head stopped reading: the prompt's end, or where speculation stepped aside
+    while True:
+        if gate.speculating:
+            run_calls(cycle, state, len(prompt), tokens, emit_and_judge, max_new_tokens, widest, ahead,
+                      accept_lengths, scores, k)
+        else:
+            run_calls(plain, state[:2], len(prompt), tokens, emit_and_judge, max_new_tokens, 1, ahead, None, scores, k)
+        if finished[0]:
+            return
+        ctx, device = len(prompt) + len(tokens) - 1, state[0].device
+        root = torch.tensor(tokens[-1], device=device)
+        if gate.speculating:
+            state = (root, torch.tensor(ctx, device=device), head_reads((prompt + tokens)[:ctx], head_at, root))
+        else:
+            state, head_at = (root, torch.tensor(ctx, device=device)), ctx
+
+
+def catch_up_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
+                   chunk: Optional[int] = None) -> Tensor:
+    """The head's h_last after plain steps wrote context[first:]: the target's features of those tokens (their K/V
+    written again, the same), and the head reads their pairs, the last with the root."""
+    _, features = prefill(target, torch.tensor([context[first:]], device=root.device), first, chunk or PREFILL_CHUNK)
+    return draft_start(target, draft, context, first, features, root, chunk or PREFILL_CHUNK)
 
 
 def plain_call(model, sampling, step_fn, state, filled: int):

@@ -1,0 +1,83 @@
+"""Speculation that steps aside (StepAside): where a cycle costs more than the tokens it gives, generate() decodes with
+plain steps and tries cycles again later. The switches happen between calls, so greedy output stays plain greedy
+and sampling keeps the target's law. Time is a fake clock here (cycles made to look slow or fast), never measured."""
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import STAT_SAMPLES, make_context_pair
+from convert_hf_checkpoint import convert
+from decode import SamplingConfig, StepAside, TreeConfig, generate
+from generate import load_draft, load_target
+
+GREEDY = SamplingConfig()
+TREE = TreeConfig(depth=3, topk=3, total_tokens=10)
+
+
+def fake_clock(cycle_seconds: float, step_seconds: float = 1.0):
+    """A StepAside whose clock advances by cycle_seconds after a cycle and step_seconds after a plain step."""
+    now = [0.0]
+    gate = StepAside(retry_after=6, trial_cycles=2, probe_steps=3)
+
+    def clock():
+        now[0] += cycle_seconds if gate.speculating else step_seconds
+        return now[0]
+    gate.clock = clock
+    return gate
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, head, _ = make_context_pair(tmp_path_factory.mktemp("step_aside"), noise=0.3)
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
+    model = load_target(target / "model.pth", "cpu", "fp32", 400)
+    return model, load_draft(head / "draft.pth", model)
+
+
+def prompt(seed=0, n=40):
+    return [1] + torch.randint(3, 60, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_slow_cycles_step_aside_and_the_tokens_stay_plain_greedy(pair):
+    model, draft = pair
+    plain = generate(model, prompt(), 80, GREEDY)
+    gate = fake_clock(cycle_seconds=20.0)  # no tau makes a cycle of 20 steps' time pay
+    run = generate(model, prompt(), 80, GREEDY, draft=draft, tree=TREE, step_aside=gate, prefill_chunk=16)
+    assert run.tokens == plain.tokens
+    assert gate.switches >= 4 and run.plain_tokens > 25, (gate.switches, run.plain_tokens)  # 6 plain, 3 cycles, ...
+    assert sum(run.accept_lengths) + run.plain_tokens == len(run.tokens) - 1  # the first token is the prefill's
+    assert gate.step_seconds == 1.0 and gate.cycle_seconds == 20.0 and not gate.pays()
+
+
+def test_cycles_that_pay_keep_speculating_after_one_probe(pair):
+    model, draft = pair
+    gate = fake_clock(cycle_seconds=1.2)  # tau ~2.8 tokens for 1.2 steps' time
+    run = generate(model, prompt(1), 80, GREEDY, draft=draft, tree=TREE, step_aside=gate)
+    assert run.tokens == generate(model, prompt(1), 80, GREEDY).tokens
+    assert gate.switches == 2 and run.plain_tokens == gate.probe_steps  # out to time a step, and back
+    assert gate.pays()
+    again = generate(model, prompt(2), 40, GREEDY, draft=draft, tree=TREE, step_aside=gate)
+    assert again.plain_tokens == 0 and gate.switches == 2  # the estimates carry over: no probe this time
+
+
+def test_a_gate_that_switches_every_call_keeps_the_sampled_law(tmp_path):
+    """Cycles and plain steps alternating at every call (3 tokens): the sequences follow the target's law."""
+    from conftest import make_agreeing_pair
+    from test_sampling import PROMPT, N_TOKENS, TREE as SMALL_TREE, VOCAB, chi_square_p_below, exact_distribution
+    target, head, _ = make_agreeing_pair(tmp_path, vocab=VOCAB, hidden=16, alpha=2.5, layer_scale=20.0,
+                                         lm_head_noise=1.0)
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    draft = load_draft(head / "draft.pth", model)
+    sampling, counts, modes = SamplingConfig(temperature=1.0), Counter(), Counter()
+    for i in range(STAT_SAMPLES):
+        gate = fake_clock(cycle_seconds=50.0)
+        gate.trial_cycles, gate.probe_steps, gate.retry_after = 1, 1, 1
+        gate.speculating = i % 2 == 0  # half the runs start plain, half speculating
+        torch.manual_seed(i)
+        result = generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=SMALL_TREE, step_aside=gate)
+        counts[tuple(result.tokens)] += 1
+        modes[(result.plain_tokens > 0, len(result.accept_lengths) > 0)] += 1
+    assert modes[(True, True)] > STAT_SAMPLES // 4, modes  # both kinds of call in one generation, often
+    assert not chi_square_p_below(counts, exact_distribution(target, sampling))
