@@ -104,7 +104,7 @@ def sample_record(seed: int, result: GenerationResult, text: str) -> dict:
     """One sample as --json_out writes it."""
     return {"seed": seed, "tokens": result.tokens, "text": text, "tokens_per_s": result.tokens_per_s,
             "accept_lengths": result.accept_lengths, "cycles": len(result.accept_lengths),
-            "tau": result.tau if result.accept_lengths else None}
+            "tau": result.tau if result.accept_lengths else None, "plain_tokens": result.plain_tokens}
 
 
 def run_batches(args, gen_batch: Callable, tokenizer: Tokenizer, prompts: list, rows: int):

@@ -29,6 +29,11 @@ def total_tokens_flag(text: str):
     return text if text == "auto" else int_flag(2)(text)
 
 
+def window_flag(text: str):
+    """--draft_window: auto, full, or a positive number of positions."""
+    return text if text in ("auto", "full") else int_flag(1)(text)
+
+
 def json_paths(text: str) -> tuple:
     """--tree_choices: a JSON list of paths (lists); StaticTree checks what they say."""
     try:
@@ -92,6 +97,19 @@ def model_flags(p):
                         "accepted, given the drafts before it were) is below this go unverified; 0 (default): "
                         "verify every draft. The verify keeps its fixed size: this trades drafts for nothing at "
                         "batch 1, and is there to match engines that cut")
+    p.add_argument("--draft_window", type=window_flag, default="auto",
+                   help="the head attends to the first --draft_sinks and the last W positions of the context only, so "
+                        "its cost per cycle stays flat as the context grows (the output is the same: the target "
+                        "verifies); auto (default): the window the head's config says it was trained with, else "
+                        "full; full: all of it")
+    p.add_argument("--draft_sinks", type=int_flag(0), default=4,
+                   help="with --draft_window, the first positions the head always sees (attention sinks)")
+    p.add_argument("--step_aside", choices=["on", "off"], default="on",
+                   help="on (default): where a cycle costs more than the tokens it gives (timed as it decodes), "
+                        "decode with plain steps and try the head again every so many tokens; the output is the same")
+    p.add_argument("--prefill_chunk", type=int_flag(1), default=None,
+                   help="prompt tokens per prefill forward (default: 512, measured best on a CPU): the memory for "
+                        "activations and masks grows with it, not with the prompt")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
@@ -226,7 +244,8 @@ import torch.distributed as dist  # noqa: E402
 
 from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa: E402
 from draft_tree import STATIC_CHOICES, StaticTree  # noqa: E402
-from decode import (GenerationResult, SamplingConfig, TreeConfig, compile_settings, compile_step,  # noqa: E402
+from decode import (GenerationResult, SamplingConfig, StepAside, TreeConfig, compile_settings, compile_step,  # noqa: E402
+                    prefill_chunk_of,
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
@@ -273,6 +292,11 @@ def grammar_flag(args) -> Optional[str]:
     if not isinstance(schema, dict):
         raise EagletError(f"--json_schema {args.json_schema}: a schema is a JSON object")
     return grammar_of("json_schema", json.dumps(schema))
+
+
+def stepping_aside(gen, plain_fn):
+    """gen with a fresh StepAside for each generation (a warm-up's compile times are not carried into the next)."""
+    return lambda *a, **k: gen(*a, step_aside=StepAside(), plain_fn=plain_fn, **k)
 
 
 def constrained(gen, tokenizer: Tokenizer, n_vocab: int, grammar: str):
@@ -361,6 +385,9 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
     if len(result.tokens) > 1:
         print(f"first token after {result.first_token_seconds * 1e3:.1f} ms (the prefill), then "
               f"{result.decode_tokens_per_s:.2f} tokens/s")
+    if result.plain_tokens:
+        print(f"plain steps for {result.plain_tokens} of {len(result.tokens)} tokens: speculation stepped aside to time "
+              "a step, or where a cycle cost more than the tokens it gave (--step_aside off: never)")
     if cycles:
         counts = Counter(result.accept_lengths)
         histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
@@ -474,9 +501,19 @@ def load(args, group=None):
         model.setup_caches(max_batch_size=rows, max_seq_length=size)
     if draft is not None:
         draft.setup_caches(model.max_seq_length, rows)
+        set_window(draft, args.draft_window, args.draft_sinks)
     if draft is not None:
         tree.check(draft)
+    prefill_chunk_of(args.prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
     return model, tokenizer, draft, sampling, tree, prompts, rows
+
+
+def set_window(draft: DraftHead, window, sinks: int):
+    """--draft_window and --draft_sinks on a loaded head (auto: the window it came with, from its config)."""
+    if window == "full":
+        draft.set_window(None)
+    elif window != "auto":
+        draft.set_window(window, sinks)
 
 
 def free_memory(device: str) -> int:
@@ -563,7 +600,10 @@ def main(argv=None):
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
-                      step_fn=step_fn)
+                      step_fn=step_fn, prefill_chunk=args.prefill_chunk)
+        if draft is not None and args.step_aside == "on":  # each generation times its own cycles and steps
+            plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
+            gen = stepping_aside(gen, plain_fn)
         if getattr(args, "grammar", None):  # a fresh grammar state for every generation (warm-up and samples)
             gen = constrained(gen, tokenizer, model.args.vocab_size, args.grammar)
         show = partial(report, model=model, device=args.device, draft=draft, tree=tree)
@@ -572,7 +612,7 @@ def main(argv=None):
             run_interactive(args, gen, tokenizer, model.max_seq_length, scratch, show)
         elif len(prompts) > 1:
             gen_batch = partial(generate_batch, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft,
-                                tree=tree, step_fn=step_fn)
+                                tree=tree, step_fn=step_fn, prefill_chunk=args.prefill_chunk)
             run_batches(args, gen_batch, tokenizer, prompts, rows)
         else:
             run_once(args, gen, tokenizer, prompts[0], show)

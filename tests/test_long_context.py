@@ -115,3 +115,40 @@ def test_a_prompt_longer_than_the_cache_names_both_lengths():
     target, _ = random_models("tiny", "cpu", torch.float32, 256)
     with pytest.raises(EagletError, match=r"prompt \(300 tokens\).*exceeds the cache \(256 tokens\)"):
         generate(target, list(range(300)), 1, GREEDY)
+
+
+def test_the_cli_chunks_windows_and_steps_aside_and_decodes_as_plain(spec_pair, tmp_path):
+    """generate.py with --prefill_chunk, --draft_window and --step_aside (on and off): plain decoding's tokens; the
+    record says how many tokens plain steps made."""
+    from conftest import run_cli
+    target, head = spec_pair
+    base = ["--checkpoint_path", str(target / "model.pth"), "--device", "cpu", "--prompt", "w3 w4 w5 w6 " * 30,
+            "--max_new_tokens", "40", "--prefill_chunk", "16"]
+    plain = run_cli(tmp_path, base)
+    for extra in (["--draft_window", "8", "--draft_sinks", "2"], ["--step_aside", "off"], ["--draft_window", "full"]):
+        run = run_cli(tmp_path, base + ["--draft_checkpoint_path", str(head)] + extra)
+        assert run["tokens"] == plain["tokens"], extra
+        assert run["plain_tokens"] == 0 or extra[0] != "--step_aside"
+
+
+@pytest.mark.parametrize("flags, match", [(["--prefill_chunk", "0"], "--prefill_chunk: must be at least 1"),
+                                          (["--prefill_chunk", "x"], "--prefill_chunk: expected an integer"),
+                                          (["--prefill_chunk", "5000"], "prefill chunk (5000 tokens) is larger than the cache"),
+                                          (["--draft_window", "0"], "--draft_window: must be at least 1"),
+                                          (["--draft_window", "wide"], "--draft_window: expected an integer"),
+                                          (["--draft_window", "5000"], "draft window (5000 positions, and 4 sinks) is larger"),
+                                          (["--draft_sinks", "-1"], "--draft_sinks: must be at least 0")])
+def test_bad_chunk_and_window_flags_are_one_error_line(spec_pair, flags, match):
+    from conftest import expect_error
+    target, head = spec_pair
+    expect_error(["--checkpoint_path", str(target / "model.pth"), "--draft_checkpoint_path", str(head), "--device",
+                  "cpu", "--prompt", "w3 w4", "--max_new_tokens", "8", "--max_seq_length", "256"] + flags, match)
+
+
+def test_the_help_names_the_defaults_the_code_uses():
+    from decode import PREFILL_CHUNK
+    from draft import DRAFT_SINKS
+    from generate import model_flags
+    from cli import cli_parser
+    text = model_flags(cli_parser("")).format_help()
+    assert f"default: {PREFILL_CHUNK}," in text and f"(default: {DRAFT_SINKS})" in text
