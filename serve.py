@@ -721,16 +721,39 @@ class Server:
 
 
 def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
-    """Chat logprobs entries in the completions' shape -- tokens, token_logprobs, top_logprobs (token -> logprob) and
-    text_offset, each token's first character in the text, counted over the bytes before it (before: the reply's
-    bytes ahead of these entries), so a character split over several tokens counts once -- and the bytes so far."""
+    """Chat logprobs entries in the completions' shape -- tokens, token_logprobs, top_logprobs and text_offset, each
+    token's first character in the text, counted over the bytes before it (before: the reply's bytes ahead of these
+    entries), so a character split over several tokens counts once -- and the bytes so far. top_logprobs maps each
+    alternative's name to its logprob, the sampled token always among them (OpenAI: up to logprobs + 1 entries)."""
     starts = []
     for e in entries:
         starts.append(len(before.decode("utf-8", errors="ignore")))  # a character not yet whole: not counted yet
         before += bytes(e["bytes"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": starts}, before
+    return {"tokens": [token_name(e["bytes"]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [top_by_name(e) for e in entries], "text_offset": starts}, before
+
+
+def token_name(raw: list, taken=()) -> str:
+    """A token as the completions' logprobs name it: its text; OpenAI's bytes:\\xe2\\x80 where its bytes are not
+    whole UTF-8 (part of a character), or where another token took the text (a byte token and a piece alike)."""
+    try:
+        text = bytes(raw).decode("utf-8")
+        if text not in taken:
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def top_by_name(entry: dict) -> dict:
+    """The alternatives of a token by name, most likely first: the sampled one named as in tokens, the others each
+    under a name of its own (decoding partial bytes alone, several read \\ufffd and would share one key)."""
+    sampled = token_name(entry["bytes"])
+    top = {sampled: entry["logprob"]}
+    for t in entry["top_logprobs"]:
+        if not (t["bytes"] == entry["bytes"] and t["logprob"] == entry["logprob"]):  # the sampled one: in already
+            top[token_name(t["bytes"], top)] = t["logprob"]
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
 
 
 def choice_usage(prompt: list, completion_tokens: int, cached: int) -> dict:

@@ -502,3 +502,44 @@ def test_logprobs_equal_a_plain_forward_streamed_or_not(client, reference):
                                       stream=True)
     assert [t for c in parts if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] \
         == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_completion_logprobs_keep_the_sampled_token_and_name_each_alternative(client):
+    """A completion's logprobs: k as OpenAI shapes them: top_logprobs has the sampled token always (one entry for
+    logprobs 0; k, or k + 1 where the sampled one is not among the k likeliest), each alternative under its own key:
+    tokens that are part of a UTF-8 character are named bytes:\\xe2\\x80, not all "\\ufffd"; streamed the same."""
+    prompt = "# \u201cquoted\u201d \u2014 dash\n"  # the demo's reply holds curly quotes: three byte tokens each
+    for k in (0, 5):
+        lp = client.completions.create(model="eaglet", prompt=prompt, max_tokens=12, temperature=0,
+                                       logprobs=k).choices[0].logprobs
+        assert all(top[t] == p for t, top, p in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs))
+        assert [len(top) for top in lp.top_logprobs] == [max(k, 1)] * len(lp.tokens)  # greedy: the sampled is the top
+        assert any(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", t) for t in lp.tokens)
+        parts = client.completions.create(model="eaglet", prompt=prompt, max_tokens=12, temperature=0, logprobs=k,
+                                          stream=True)
+        streamed = [c.choices[0].logprobs for c in parts if c.choices and c.choices[0].logprobs]
+        assert [t for s in streamed for t in s.tokens] == lp.tokens
+        tops = [top for s in streamed for top in s.top_logprobs]  # (reusing the cache: values may differ in ulps)
+        assert [list(top) for top in tops] == [list(top) for top in lp.top_logprobs]
+        assert [v for top in tops for v in top.values()] == pytest.approx(
+            [v for top in lp.top_logprobs for v in top.values()], abs=1e-4)
+    sizes = []
+    for seed in (1, 2, 3):
+        lp = client.completions.create(model="eaglet", prompt=PROMPTS[0], max_tokens=24, temperature=1.5, seed=seed,
+                                       logprobs=2).choices[0].logprobs
+        assert all(top[t] == p for t, top, p in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs))
+        sizes += [len(top) for top in lp.top_logprobs]
+    assert set(sizes) == {2, 3}  # the sampled token beside the two likeliest, where it is not one of them
+
+
+def test_completion_logprobs_names():
+    from serve import completion_logprobs
+    entry = {"token": "\ufffd", "bytes": [0xe2, 0x80], "logprob": -1.0, "top_logprobs": [
+        {"token": "\ufffd", "bytes": [0xe2, 0x81], "logprob": -0.5}, {"token": "A", "bytes": [65], "logprob": -2.0},
+        {"token": "A", "bytes": [65], "logprob": -3.0},  # a byte token (<0x41>) beside the piece "A"
+        {"token": "\ufffd", "bytes": [0xe2, 0x80], "logprob": -1.0}]}  # the sampled one
+    shaped = completion_logprobs([entry])[0]
+    assert shaped["tokens"] == ["bytes:\\xe2\\x80"]
+    assert shaped["top_logprobs"] == [{"bytes:\\xe2\\x81": -0.5, "bytes:\\xe2\\x80": -1.0, "A": -2.0,
+                                       "bytes:\\x41": -3.0}]
+    assert list(shaped["top_logprobs"][0].values()) == [-0.5, -1.0, -2.0, -3.0]  # likeliest first
