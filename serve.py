@@ -549,7 +549,8 @@ class Server:
         if len(prompts) * n > self.engine.jobs.maxsize:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        constraint = partial(self.call_constraint, tool_form, tools, calls) if calls else partial(self.constraint_of, body)
+        constraint = partial(self.call_constraint, tool_form, body["tools"], calls) if calls \
+            else partial(self.constraint_of, body)
         if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
             raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
                                 "(or regex, grammar), not both", "tool_choice")
@@ -580,7 +581,12 @@ class Server:
         try:
             return tools, call_format(self.engine.tokenizer), calls
         except EagletError as e:
-            raise ApiError(400, str(e), "tools", "tools_unsupported")
+            if calls is None:  # auto: the model decides to call, and it cannot without seeing the tools
+                raise ApiError(400, f"{e}; tool_choice auto needs a template that shows the model its tools "
+                                    "(required or a named function needs none)", "tools", "tools_unsupported")
+        # a forced call is the grammar's, whatever the template renders: Hermes' <tool_call> block; a template that
+        # takes tools in a format eaglet cannot read still shows them
+        return (tools if self.engine.tokenizer.takes_tools() else None), "hermes", calls
 
     def call_constraint(self, tool_form: str, tools: list, names: list):
         """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""

@@ -198,6 +198,8 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "regex": "(["}, 400, "regex", "unclosed character class"),
     ("/v1/completions", {"prompt": "x", "regex": "a", "grammar": "start: x"}, 400, "grammar", "not several"),
     ("/v1/nowhere", {}, 404, None, "no such path"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool_choice auto needs a template"),
 ]
 
 
@@ -543,3 +545,42 @@ def test_completion_logprobs_names():
     assert shaped["top_logprobs"] == [{"bytes:\\xe2\\x81": -0.5, "bytes:\\xe2\\x80": -1.0, "A": -2.0,
                                        "bytes:\\x41": -3.0}]
     assert list(shaped["top_logprobs"][0].values()) == [-0.5, -1.0, -2.0, -3.0]  # likeliest first
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                               "required": ["city", "days"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+             "a": {"type": "integer", "minimum": -99, "maximum": 99},
+             "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def valid_call(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return set(arguments) == {"city", "days"} and len(arguments["city"]) <= 12 and 1 <= arguments["days"] <= 7
+    return call.function.name == "add" and all(isinstance(arguments[k], int) for k in "ab")
+
+
+def test_a_forced_call_on_a_template_without_tools(client):
+    """The demo's template (LLaMA-2's) never reads tools: tool_choice naming a function, or required, still gets a
+    call of an allowed function with arguments its schema accepts (the grammar writes it; the template shows no
+    tools), streamed or not, with finish_reason tool_calls; parallel_tool_calls false is one call."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        whole = client.chat.completions.create(model="eaglet", messages=messages, tools=TOOLS, tool_choice=choice,
+                                               temperature=0, max_tokens=80, parallel_tool_calls=False)
+        calls = whole.choices[0].message.tool_calls
+        assert whole.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and valid_call(calls[0])
+        assert calls[0].id.startswith("call_") and (choice == "required" or calls[0].function.name == "add")
+        chunks = list(client.chat.completions.create(model="eaglet", messages=messages, tools=TOOLS, tool_choice=choice,
+                                                     temperature=0, max_tokens=80, stream=True))
+        streamed = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                    for call in c.choices[0].delta.tool_calls]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
