@@ -12,6 +12,7 @@ last request's tokens stay in the cache: a request that extends them (the next t
 its new tokens and says so in usage.prompt_tokens_details.cached_tokens. docs/serve.md has the details.
 """
 import asyncio
+import copy
 import hmac
 import json
 import math
@@ -45,12 +46,27 @@ from tool_calls import call_format, call_grammar, chosen_functions, functions_of
 PAGE = Path(__file__).resolve().parent / "serve.html"
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_CHOICES = 16  # prompts x n of one request
-REFUSED = {"functions": "functions (tools replaced them)", "function_call": "functions",
-           "best_of": "best_of > 1", "echo": "echo", "suffix": "suffix", "logit_bias": "logit_bias",
-           "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty"}
-HARMLESS = {"best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
-# structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex)
-GRAMMAR_FIELDS = ("response_format", "guided_json", "regex", "guided_regex", "grammar", "guided_grammar")
+# Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
+# with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
+REFUSED = {"functions": None, "function_call": None, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {},
+           "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
+           "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
+           "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+           "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
+           "prompt_logprobs": None, "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
+           "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
+           "repeat_penalty": 1, "typical_p": 1, "tfs_z": 1, "mirostat": 0, "n_probs": 0}
+# structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex,
+# llama.cpp's json_schema)
+GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "guided_regex", "grammar",
+                  "guided_grammar", "guided_choice")
+TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
+READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+        "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", *GRAMMAR_FIELDS, *TEMPLATE_HINTS}
+# defined by OpenAI or another server, and the reply is the same with them: accepted without a word
+NO_EFFECT = {"user", "store", "metadata", "service_tier", "prediction", "prompt_cache_key", "safety_identifier",
+             "request_id", "priority", "guided_decoding_backend"}
 
 
 class ApiError(Exception):
@@ -80,6 +96,7 @@ class Job:
     events: asyncio.Queue
     constraint: Optional[object] = None  # grammar.Constraint: structured output
     tool_form: Optional[str] = None  # tool_calls.py's format the reply's calls are read in (None: no tools)
+    one_call: bool = False  # parallel_tool_calls false: the reply's first call only
     scores: list = field(default_factory=list)  # with sampling.logprobs >= 0: generate appends each token's
     index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -337,9 +354,11 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
 
 
 def harmless(name: str, value) -> bool:
-    """value asks for nothing this server would leave undone: equal to the harmless value AND of its type (in
-    Python 0 == False and True == 1, so logprobs 0 -- the sampled token's logprob -- or n true would pass as off)."""
-    default = HARMLESS.get(name)
+    """value asks for nothing this server would leave undone: equal to the harmless value AND of its kind (in
+    Python 0 == False and True == 1, so use_beam_search 1 or best_of true would pass as off); 0 and 0.0 alike."""
+    default = REFUSED[name]
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
     return default is not None and type(value) is type(default) and value == default
 
 
@@ -360,9 +379,11 @@ def logprobs_of(body: dict, chat: bool) -> int:
 
 def sampling_of(body: dict, chat: bool = True) -> tuple:
     """(SamplingConfig, seed, stop strings) from a request's fields."""
-    for name, what in REFUSED.items():
-        if name in body and body[name] is not None and not harmless(name, body[name]):
-            raise ApiError(400, f"this server cannot honour {what}", name, "unsupported_parameter")
+    for name in REFUSED:
+        if body.get(name) is not None and not harmless(name, body[name]):
+            hint = " (give tools)" if name.startswith("function") else ""
+            raise ApiError(400, f"this server cannot honour {name} {json.dumps(body[name])[:60]}{hint}", name,
+                           "unsupported_parameter")
     temperature = number(body, "temperature", 1.0, 0, 100)
     top_p = number(body, "top_p", 1.0, 0, 1)
     if top_p == 0:
@@ -431,6 +452,7 @@ class Server:
     def __init__(self, engine: Engine, api_key: Optional[str], allowed_origins=("*",), aliases=("eaglet",)):
         self.engine, self.api_key = engine, api_key
         self.draining, self.live = False, set()  # live: the jobs of replies not yet sent whole
+        self.warned = set()  # (field, why) a warning line named
         self.model_ids = [engine.name] + [a for a in aliases if a != engine.name]
         self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/", self.page, methods=["GET"])
@@ -522,13 +544,16 @@ class Server:
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
                                 f"{', '.join(self.model_ids)}", "model", "model_not_found")
         sampling, seed, stop = sampling_of(body, chat)
+        self.warn_once([name for name in body if name not in READ | NO_EFFECT | REFUSED.keys()],
+                       "no OpenAI-compatible server eaglet knows defines it")
+        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", *TEMPLATE_HINTS)
+        self.warn_once([name for name in elsewhere if body.get(name) is not None],
+                       f"not read by /v1/{'chat/' if chat else ''}completions")
         n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-        tokenizer = self.engine.tokenizer
         tools, tool_form, calls = self.tools_of(body, chat)
-        try:
-            prompts = [tokenizer.encode_chat(messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
-        except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
-            raise ApiError(400, str(e), "messages")
+        if body.get("parallel_tool_calls") not in (None, True, False):
+            raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+        prompts = [self.render(body, messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -556,7 +581,8 @@ class Server:
                                 "(or regex, grammar), not both", "tool_choice")
         constraint()  # refused now if it cannot be compiled; each job gets its own state below
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, constraint(), tool_form, index=i * n + k)
+                    reuse, loop, events, constraint(), tool_form, body.get("parallel_tool_calls") is False,
+                    index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
         return jobs, stream, bool(options.get("include_usage"))
 
@@ -587,6 +613,32 @@ class Server:
         # a forced call is the grammar's, whatever the template renders: Hermes' <tool_call> block; a template that
         # takes tools in a format eaglet cannot read still shows them
         return (tools if self.engine.tokenizer.takes_tools() else None), "hermes", calls
+
+    def render(self, body: dict, messages: list, tools: Optional[list]) -> list:
+        """A conversation's tokens through the chat template, with the request's chat_template_kwargs and the hints
+        (reasoning_effort, verbosity) as its variables; a log line for a hint the template never reads."""
+        tokenizer, kwargs = self.engine.tokenizer, body.get("chat_template_kwargs") or {}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+        if not isinstance(kwargs, dict) or reserved & kwargs.keys():
+            raise ApiError(400, f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}",
+                           "chat_template_kwargs")
+        hints = {name: body[name] for name in TEMPLATE_HINTS if body.get(name) is not None}
+        source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
+        self.warn_once([name for name in hints if name not in source], "the chat template never reads it")
+        if kwargs or hints:  # a copy of the tokenizer with these variables (no other request sees them)
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.template_kwargs = {**tokenizer.template_kwargs, **hints, **kwargs}
+        try:
+            return tokenizer.encode_chat(messages, tools)
+        except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
+            raise ApiError(400, str(e), "messages")
+
+    def warn_once(self, names: list, why: str):
+        """One log line for each field the reply goes without: the first time a request sends it."""
+        for name in names:
+            if (name, why) not in self.warned:
+                self.warned.add((name, why))
+                print(f"warning: a request's field {name!r} is accepted and has no effect: {why}", flush=True)
 
     def call_constraint(self, tool_form: str, tools: list, names: list):
         """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""
@@ -623,13 +675,20 @@ class Server:
         if len(given) > 1:
             raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
         name, value = given[0], body[given[0]]
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "json_object" \
+                and value.get("schema") is not None:  # llama.cpp's way to give a schema
+            value, name = value["schema"], "response_format.schema"
         try:
             if name == "response_format":
                 grammar = response_format_grammar(value)
-            elif name == "guided_json":
+            elif name in ("guided_json", "json_schema", "response_format.schema"):
                 if not isinstance(value, (dict, str)):
-                    raise EagletError("guided_json must be a JSON schema (an object or its text)")
+                    raise EagletError(f"{name} must be a JSON schema (an object or its text)")
                 grammar = grammar_of("json_schema", value if isinstance(value, str) else json.dumps(value))
+            elif name == "guided_choice":
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                    raise EagletError("guided_choice must be a non-empty list of non-empty strings")
+                grammar = grammar_of("lark", "start: " + " | ".join(json.dumps(c) for c in value))
             elif not isinstance(value, str) or not value:
                 raise EagletError(f"{name} must be a non-empty string")
             else:
@@ -638,7 +697,7 @@ class Server:
                 return None
             return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
         except EagletError as e:
-            raise ApiError(400, str(e), name, "invalid_grammar")
+            raise ApiError(400, str(e), name.split(".")[0], "invalid_grammar")
 
     async def chunks(self, jobs: list, head: dict, chat: bool, usage_in_stream: bool):
         """Server-sent events: one chunk per cycle (its choice's index), a last one per choice with its finish_reason,
@@ -675,7 +734,7 @@ class Server:
                 elif kind == "done" and value is not None:
                     finished[index], finish, calls = value, value["finish_reason"], []
                     if tool_form:
-                        content, calls = parse_calls(value["text"], tool_form)
+                        content, calls = calls_of(jobs[index], value["text"])
                         if (content or "")[sent.get(index, 0):]:
                             yield chunk(index, content[sent.get(index, 0):])
                         if calls:
@@ -714,7 +773,7 @@ class Server:
             logprobs, finish = reply["logprobs"], reply["finish_reason"]
             if chat:
                 message = {"role": "assistant", "content": reply["text"]}
-                text, calls = parse_calls(reply["text"], jobs[index].tool_form) if jobs[index].tool_form else (None, [])
+                text, calls = calls_of(jobs[index], reply["text"]) if jobs[index].tool_form else (None, [])
                 if calls:
                     message, finish = {"role": "assistant", "content": text, "tool_calls": calls}, "tool_calls"
                 content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
@@ -760,6 +819,12 @@ def top_by_name(entry: dict) -> dict:
         if not (t["bytes"] == entry["bytes"] and t["logprob"] == entry["logprob"]):  # the sampled one: in already
             top[token_name(t["bytes"], top)] = t["logprob"]
     return dict(sorted(top.items(), key=lambda kv: -kv[1]))
+
+
+def calls_of(job: Job, text: str) -> tuple:
+    """(content, OpenAI's tool_calls) of a reply; with parallel_tool_calls false, its first call only."""
+    content, calls = parse_calls(text, job.tool_form)
+    return content, calls[:1] if job.one_call else calls
 
 
 def choice_usage(prompt: list, completion_tokens: int, cached: int) -> dict:

@@ -27,6 +27,7 @@ from decode import SamplingConfig  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 DEMO = ROOT / "demo"
+LOGS = {}  # a started server's URL -> the lines it has printed
 PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n",
            "def add(a, b):\n"]
 
@@ -39,7 +40,8 @@ def start_server(*flags) -> tuple:
     for line in proc.stdout:
         if line.startswith("eaglet serving"):
             url = line.split(" at ")[1].split()[0]
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+            LOGS[url] = []
+            threading.Thread(target=lambda: LOGS[url].extend(proc.stdout), daemon=True).start()  # keep its pipe drained
             return proc, url
         assert time.time() < deadline, "no ready line"
     raise AssertionError(f"serve.py ended: {proc.wait()}")
@@ -200,6 +202,20 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/nowhere", {}, 404, None, "no such path"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool_choice auto needs a template"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True}, 400, "use_beam_search", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": 1}, 400, "use_beam_search", "cannot honour"),  # 1 == True
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2]}, 400, "stop_token_ids", "cannot honour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400,
+     "modalities", "cannot honour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "no"}, 400,
+     "parallel_tool_calls", "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+     400, "chat_template_kwargs", "without"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "non-empty list"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "foo"}}}, 400,
+     "response_format", "Invalid type: foo"),
 ]
 
 
@@ -584,3 +600,93 @@ def test_a_forced_call_on_a_template_without_tools(client):
             [(c.function.name, c.function.arguments) for c in calls]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_fields_that_change_the_reply_are_honoured_or_refused_and_unknown_ones_logged(server, client):
+    """llama.cpp's schema inside json_object and top-level json_schema, vLLM's guided_choice: honoured; a field at
+    the value that asks for nothing (use_beam_search false, 0.0 penalties): served; a field no server defines:
+    served, and named once in the log."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    for extra in ({"response_format": {"type": "json_object", "schema": schema}}, {"json_schema": schema}):
+        reply = client.completions.create(model="eaglet", prompt="def f():\n", max_tokens=30, temperature=0,
+                                          extra_body=extra)
+        assert set(json.loads(reply.choices[0].text)) == {"n"}
+    choices = ["sunny", "rainy", "caf\u00e9 au lait"]
+    reply = client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "Weather?"}],
+                                           max_tokens=10, temperature=1, seed=2, extra_body={"guided_choice": choices})
+    assert reply.choices[0].message.content in choices
+    for _ in range(2):
+        reply = client.completions.create(model="eaglet", prompt="x", max_tokens=2, temperature=0, presence_penalty=0.0,
+                                          frequency_penalty=0, extra_body={"use_beam_search": False, "min_p": 0.0,
+                                                                           "eaglet_unknown_field": 1, "user": "u"})
+        assert reply.usage.completion_tokens == 2
+    time.sleep(0.3)
+    named = [line for line in LOGS[server] if "eaglet_unknown_field" in line]
+    assert len(named) == 1 and named[0].startswith("warning:")
+    assert not any("'user'" in line or "use_beam_search" in line for line in LOGS[server])
+
+
+AGENT_BODIES = {  # request bodies the agent frameworks send (from their sources' documented parameters)
+    "langchain ChatOpenAI invoke": {"model": "eaglet", "messages": [{"role": "user", "content": "def f():"}],
+                                    "stream": False, "n": 1, "temperature": 0.0, "max_completion_tokens": 8},
+    "langchain streaming": {"model": "eaglet", "messages": [{"role": "user", "content": "def f():"}], "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": 0.7, "max_tokens": 8},
+    "langchain with_structured_output, function_calling": {
+        "model": "eaglet", "messages": [{"role": "user", "content": "Weather in Paris?"}], "stream": False,
+        "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False,
+        "max_tokens": 80},
+    "langchain with_structured_output, json_schema": {
+        "model": "eaglet", "messages": [{"role": "user", "content": "Weather in Paris?"}], "stream": False,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "get_weather", "description": "The weather", "strict": True,
+            "schema": TOOLS[0]["function"]["parameters"]}}, "max_tokens": 80},
+    "openai agents sdk": {
+        "model": "eaglet", "messages": [{"role": "system", "content": "You are terse."},
+                                        {"role": "user", "content": "Weather in Paris?"}],
+        "stream": True, "stream_options": {"include_usage": True}, "store": False, "metadata": {"run": "1"},
+        "parallel_tool_calls": False, "top_p": 1.0, "temperature": 0.0, "max_tokens": 80,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "final_output", "strict": True, "schema": TOOLS[0]["function"]["parameters"]}}},
+    "pydantic-ai output tool": {
+        "model": "eaglet", "messages": [{"role": "user", "content": "Weather in Paris?"}], "n": 1,
+        "tools": [{"type": "function", "function": {"name": "final_result", "description": "The final response",
+                                                    "parameters": TOOLS[0]["function"]["parameters"], "strict": True}}],
+        "tool_choice": "required", "stream": True, "stream_options": {"include_usage": True},
+        "max_completion_tokens": 80, "temperature": 0.0, "seed": 1, "user": "someone", "reasoning_effort": "low",
+        "service_tier": "auto"},
+    "instructor TOOLS": {
+        "model": "eaglet", "messages": [{"role": "user", "content": "Add 2 and 3."}],
+        "tools": [{"type": "function", "function": {"name": "add", "description": "Correctly extracted `add` with all "
+                                                    "the required parameters with correct types",
+                                                    "parameters": TOOLS[1]["function"]["parameters"]}}],
+        "tool_choice": {"type": "function", "function": {"name": "add"}}, "max_tokens": 60, "temperature": 0},
+    "instructor JSON": {
+        "model": "eaglet", "messages": [{"role": "system", "content": "Answer in JSON."},
+                                        {"role": "user", "content": "Add 2 and 3."}],
+        "response_format": {"type": "json_object"}, "max_tokens": 60, "temperature": 0},
+}
+
+
+@pytest.mark.parametrize("name", AGENT_BODIES)
+def test_agent_frameworks_requests_are_served(server, name):
+    """Each framework's own fields (parallel_tool_calls, store, metadata, stream_options, max_completion_tokens,
+    reasoning_effort, strict tools, ...) are served, never a 400; forced calls and schemas give what they ask."""
+    body = AGENT_BODIES[name]
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.text.rstrip().endswith("data: [DONE]") and events[-1]["usage"]["completion_tokens"] > 0
+        message = {"content": "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]),
+                   "tool_calls": [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]}
+        finish = next(e["choices"][0]["finish_reason"] for e in reversed(events) if e["choices"])
+    else:
+        message, finish = r.json()["choices"][0]["message"], r.json()["choices"][0]["finish_reason"]
+    if "tools" in body:
+        (call,) = message["tool_calls"]
+        assert finish == "tool_calls" and call["function"]["name"] == body["tools"][0]["function"]["name"]
+        json.loads(call["function"]["arguments"])
+    elif "response_format" in body and finish == "stop":
+        json.loads(message["content"])
