@@ -152,3 +152,42 @@ def test_the_help_names_the_defaults_the_code_uses():
     from cli import cli_parser
     text = model_flags(cli_parser("")).format_help()
     assert f"default: {PREFILL_CHUNK}," in text and f"(default: {DRAFT_SINKS})" in text
+
+
+@pytest.mark.slow  # transformers loads the real model; both sides read a 7,200-token prompt
+def test_smollm2_prefilled_in_chunks_gives_transformers_logits_at_7200_tokens(tmp_path):
+    """SmolLM2-135M-Instruct's first 6 layers (its own weights as transformers loads the GGUF file, fp32, saved and
+    converted as a user converts a checkpoint), a 7,200-token prompt of real text (this repository's docs) in chunks
+    of 512: the logits at every 400th position and the last equal transformers' up to fp32 rounding, and greedy decoding
+    gives transformers' next tokens."""
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from conftest import assert_close_in_scale, smollm2_gguf
+    from convert_hf_checkpoint import convert
+    path = smollm2_gguf()
+    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config.to_dict()
+    config.pop("quantization_config", None)  # a GGUF-loaded model will not save; its weights, in a plain one, do
+    config["num_hidden_layers"] = 6
+    hf = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(config), dtype=torch.float32).eval()
+    hf.load_state_dict(loaded.state_dict(), strict=False)
+    hf.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+    convert(tmp_path, log=lambda *_: None)
+    root = Path(__file__).resolve().parents[1]
+    text = "\n\n".join(p.read_text() for p in [root / "README.md"] + sorted((root / "docs").glob("*.md")))
+    from tokenizer import Tokenizer
+    ids = Tokenizer(tmp_path).encode(text)[:7200]
+    assert len(ids) == 7200
+    model = load_target(tmp_path / "model.pth", "cpu", "fp32", 7300)
+    at = torch.tensor(list(range(0, 7200, 400)) + [7199])
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0, at]
+        want = hf.lm_head(hidden)
+        _, features = prefill(model, torch.tensor([ids]), 0, 512)
+        got = model.logits(features[0, at])
+    # fp32 sums over 7,200 positions in another order: 1.5e-4 measured on logits up to about 30 (one-shot alike)
+    assert_close_in_scale(got, want, ulps=128)
+    run = generate(model, ids, 6, GREEDY)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, 7200:].tolist()
+    assert run.tokens == expected
