@@ -453,7 +453,17 @@ class Transformer(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         if quantize:
             quantize.pack_quantized(model)
+        own_copies(model, state_dict)
         return model
+
+
+def own_copies(model: nn.Module, state_dict: dict):
+    """A weight already in its dtype and on its device is the state dict's own tensor, which for a memory-mapped file
+    keeps the whole map alive (its pages counted as the process's memory beside the converted copies): copy those."""
+    mapped = {t.untyped_storage().data_ptr() for t in state_dict.values() if isinstance(t, Tensor) and t.device.type == "cpu"}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() in mapped:
+            t.data = t.data.clone()
 
 
 def quantize_module(state_dict: dict):

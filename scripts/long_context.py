@@ -91,6 +91,7 @@ def run_one(args, case: str, n: int, chunk: int) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + \
         (sum(p.numel() * p.element_size() for p in draft.parameters()) if draft is not None else 0)
     generate(model, prompt[:64], 8, SamplingConfig(), draft=draft, tree=tree)  # warm-up: the kernels' first calls
+    loaded_kb = memory_kb("VmRSS")
     reset_peak()
     result = generate(model, prompt, args.new_tokens, SamplingConfig(), draft=draft, tree=tree,
                       prefill_chunk=min(chunk, model.max_seq_length),
@@ -99,7 +100,8 @@ def run_one(args, case: str, n: int, chunk: int) -> dict:
     return {"case": case, "n": n, "chunk": chunk, "ttft_s": result.first_token_seconds,
             "prefill_tps": n / result.first_token_seconds, "decode_tps": result.decode_tokens_per_s,
             "tau": result.tau if result.accept_lengths else None, "plain_tokens": result.plain_tokens,
-            "peak_gb": peak, "weights_kv_gb": (weights + kv) / 1e9, "tokens": result.tokens}
+            "peak_gb": peak, "weights_kv_gb": (weights + kv) / 1e9, "tokens": result.tokens,
+            "loaded_gb": (loaded_kb - base_kb) / 1e6}
 
 
 def row_text(r: dict) -> str:
