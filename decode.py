@@ -82,12 +82,14 @@ class StepAside:
     """Speculation that steps aside where it does not pay: generate() keeps running estimates (the newest call weighs
     `smoothing`) of a cycle's time, of tokens per cycle (tau) and of a plain step's time, and decodes plainly while
     a cycle costs more than tau plain steps (by more than `margin`). After `retry_after` plain tokens it speculates
-    again for `trial_cycles` cycles and judges anew; where no plain step was timed yet, `probe_steps` plain steps
+    again for `trial_cycles` cycles and judges anew, each trial that fails doubling the wait (up to `longest_wait`)
+    so that trials cost a bounded share of the time; where no plain step was timed yet, `probe_steps` plain steps
     time one. Switching happens between calls, and both ways are exact, so the output is what plain decoding gives
     (greedy) or follows the target's law (sampling) either way. One object may serve many generations: its estimates
     carry over (a server's, a CLI run's warm-up). plain_tokens and switches count what it did."""
     retry_after: int = 64
-    trial_cycles: int = 4
+    longest_wait: int = 1024
+    trial_cycles: int = 2
     probe_steps: int = 4
     margin: float = 0.05
     smoothing: float = 0.3
@@ -101,6 +103,7 @@ class StepAside:
     calls: int = 0  # in the current mode
     budget: int = 0  # plain tokens to go before the next judgement
     probing: bool = False  # the plain steps time a step (none was timed before)
+    wait: int = 0  # plain tokens before the next trial: retry_after, doubled by every trial that fails
 
     def pays(self) -> bool:
         """Whether a cycle gives more tokens a second than plain steps (unknown costs: assume it does)."""
@@ -129,13 +132,15 @@ class StepAside:
         """Whether the next call should be of the other mode; if so, the mode is switched."""
         if self.speculating:
             if self.calls <= self.trial_cycles or (self.step_seconds and self.pays()):
+                self.wait = self.retry_after if self.calls > self.trial_cycles else self.wait
                 return False
             # a trial that does not pay, or no plain step timed yet: plain steps, to wait or to time one
-            self.budget, self.probing = (self.retry_after, False) if self.step_seconds else (self.probe_steps, True)
+            self.wait = min(2 * self.wait, self.longest_wait) if self.wait else self.retry_after
+            self.budget, self.probing = (self.wait, False) if self.step_seconds else (self.probe_steps, True)
         elif self.budget > 0:
             return False
         elif self.probing and not self.pays():  # the probe timed a step, and speculation loses: wait
-            self.budget, self.probing = self.retry_after, False
+            self.budget, self.probing = self.wait, False
             return False
         self.speculating, self.calls, self.switches = not self.speculating, 0, self.switches + 1
         return True
