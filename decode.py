@@ -87,9 +87,9 @@ class StepAside:
     time one. Switching happens between calls, and both ways are exact, so the output is what plain decoding gives
     (greedy) or follows the target's law (sampling) either way. One object may serve many generations: its estimates
     carry over (a server's, a CLI run's warm-up). plain_tokens and switches count what it did."""
-    retry_after: int = 64
+    retry_after: int = 128
     longest_wait: int = 1024
-    trial_cycles: int = 2
+    trial_cycles: int = 1
     probe_steps: int = 4
     margin: float = 0.05
     smoothing: float = 0.3
