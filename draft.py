@@ -33,6 +33,9 @@ from draft_tree import DraftTree, build_tree, head_name, take  # noqa: F401 (Dra
 
 
 DRAFT_SINKS = 4  # with a draft window, the first positions a head always sees (attention sinks, as StreamingLLM keeps)
+# The window of a head whose config names none (--draft_window auto): the whole context up to 2k, where heads are
+# mostly trained; past it, a flat cost. SmolLM2's head kept its tau at 7k of context with 256 and with 2048.
+DRAFT_WINDOW = 2048
 
 
 class DraftHead(nn.Module):

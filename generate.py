@@ -101,7 +101,7 @@ def model_flags(p):
                    help="the head attends to the first --draft_sinks and the last W positions of the context only, so "
                         "its cost per cycle stays flat as the context grows (the output is the same: the target "
                         "verifies); auto (default): the window the head's config says it was trained with, else "
-                        "full; full: all of it")
+                        "2048; full: all of it")
     p.add_argument("--draft_sinks", type=int_flag(0), default=4,
                    help="with --draft_window, the first positions the head always sees (attention sinks)")
     p.add_argument("--step_aside", choices=["on", "off"], default="on",
@@ -248,7 +248,7 @@ from decode import (GenerationResult, SamplingConfig, StepAside, TreeConfig, com
                     prefill_chunk_of,
                     cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
                     weights_format)
-from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
+from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer, context_limit  # noqa: E402
@@ -509,11 +509,14 @@ def load(args, group=None):
 
 
 def set_window(draft: DraftHead, window, sinks: int):
-    """--draft_window and --draft_sinks on a loaded head (auto: the window it came with, from its config)."""
+    """--draft_window and --draft_sinks on a loaded head. auto: the window its config says it was trained with, else
+    DRAFT_WINDOW where the cache is longer."""
     if window == "full":
         draft.set_window(None)
     elif window != "auto":
         draft.set_window(window, sinks)
+    elif draft.window is None and DRAFT_WINDOW + sinks < draft.max_seq_length:
+        draft.set_window(DRAFT_WINDOW, sinks)
 
 
 def free_memory(device: str) -> int:

@@ -153,3 +153,14 @@ def test_a_bad_window_is_one_error(window, sinks, match):
 def test_a_head_trained_with_a_sliding_window_drafts_with_it():
     args = ModelArgs(vocab_size=64, dim=32, n_layer=1, n_head=2, intermediate_size=64, sliding_window=256)
     assert DFlashDraft(args, n_features=2, block_size=4, mask_token_id=3).window == (0, 256)
+
+
+def test_auto_is_the_head_s_own_window_else_2048_where_the_cache_is_longer():
+    from generate import set_window
+    _, draft = random_models("tiny", "cpu", torch.float32, 4096, head="eagle")
+    for flag, sinks, want in (("auto", 4, (4, 2048)), ("full", 4, None), (100, 2, (2, 100)), ("auto", 0, (2, 100))):
+        set_window(draft, flag, sinks)  # auto keeps a window already set (a head's own, from its config)
+        assert draft.window == want, flag
+    _, short = random_models("tiny", "cpu", torch.float32, 1024, head="eagle")
+    set_window(short, "auto", 4)
+    assert short.window is None  # the whole cache is within the window
