@@ -39,7 +39,8 @@ import generate
 from chat import TextStreamer, warm_up
 from checkpoint import EagletError
 from cli import cli_parser, float_flag, int_flag
-from decode import MAX_TOP_LOGPROBS, SamplingConfig, compile_settings, compile_step, decode_one_token, speculative_cycle
+from decode import (MAX_TOP_LOGPROBS, SamplingConfig, StepAside, compile_settings, compile_step, decode_one_token,
+                    speculative_cycle)
 from grammar import Constraint, grammar_of, response_format_grammar, token_bytes
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable
 
@@ -114,7 +115,7 @@ class Metrics:
         self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
                                           "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0,
                                           "constrained": 0, "constrained_cycles": 0, "constrained_emitted": 0,
-                                          "grammar_cuts": 0, "forced_tokens": 0}
+                                          "grammar_cuts": 0, "forced_tokens": 0, "plain_tokens": 0}
 
     def count(self, outcome: Optional[str], **values):
         with self.lock:
@@ -144,6 +145,9 @@ class Metrics:
                       "# HELP eaglet_grammar_forced_tokens_total tokens the grammar forced, taken without the target",
                       "# TYPE eaglet_grammar_forced_tokens_total counter",
                       f"eaglet_grammar_forced_tokens_total {v['forced_tokens']}",
+                      "# HELP eaglet_plain_tokens_total tokens plain steps made while a head was loaded (speculation "
+                      "stepped aside: --step_aside)", "# TYPE eaglet_plain_tokens_total counter",
+                      f"eaglet_plain_tokens_total {v['plain_tokens']}",
                       "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
                       "# TYPE eaglet_request_seconds_total counter", f"eaglet_request_seconds_total {v['seconds']:.4f}"]
             return "\n".join(lines) + "\n"
@@ -167,8 +171,10 @@ class Engine:
         compile_settings(self.model, args.device)
         step = speculative_cycle if self.draft is not None else decode_one_token
         self.gen = partial(generate.generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
-                           tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step)
+                           tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step,
+                           prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None else 0
+        self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
         if self.max_batch > 1:  # caches of max_batch rows (one prompt alone uses the first)
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)
             if self.draft is not None:
@@ -179,6 +185,19 @@ class Engine:
         if args.compile:
             warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
 
+    def stepping_aside(self, args):
+        """--step_aside on with a head: plain steps wherever a cycle costs more than the tokens it gives, judged by one
+        StepAside for the engine's life (its estimates carry from request to request); its compiled plain step warmed
+        up first, and no compile time taken for a cost."""
+        if self.draft is None or args.step_aside != "on":
+            return
+        if args.compile:
+            self.plain_fn = compile_step(decode_one_token, args.device)
+            warm_up(lambda prompt, n: [self.gen(prompt, n, s, draft=None, step_fn=self.plain_fn)
+                                       for s in (GREEDY, SamplingConfig(temperature=1.0))],
+                    self.tokenizer.encode("Hello"), 16)
+        self.step_aside = StepAside()
+
     def room(self, prompt: list) -> int:
         return self.model.max_seq_length - self.scratch - len(prompt)
 
@@ -187,6 +206,7 @@ class Engine:
         # spinning by earlier torch work, competed with this thread's (a matmul took 15x as long).
         try:
             self.load(args)
+            self.stepping_aside(args)
         except Exception as e:  # a user mistake (EagletError) or a bug: main raises it, never a server with no engine
             self.failure = e
         finally:
@@ -276,7 +296,8 @@ class Engine:
         cycles = len(result.accept_lengths)
         self.metrics.count("aborted" if job.cancelled.is_set() else "ok", prompt_tokens=len(job.prompt),
                            completion_tokens=len(result.tokens), cached_tokens=cached, cycles=cycles,
-                           emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at)
+                           emitted=sum(result.accept_lengths), seconds=time.perf_counter() - job.queued_at,
+                           plain_tokens=result.plain_tokens)
         if job.constraint is not None:
             self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
                                grammar_cuts=job.constraint.cuts, forced_tokens=job.constraint.forced_tokens)
@@ -284,7 +305,8 @@ class Engine:
                           "usage": choice_usage(job.prompt, len(result.tokens), cached),
                           "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
                           "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
-                                     "tokens_per_s": result.tokens_per_s, "seconds": seconds}})
+                                     "tokens_per_s": result.tokens_per_s, "seconds": seconds,
+                                     "plain_tokens": result.plain_tokens}})
 
     def run(self, job: Job):
         start = 0
@@ -299,7 +321,8 @@ class Engine:
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
-                          constraint=job.constraint, scores=job.scores)
+                          constraint=job.constraint, scores=job.scores, step_aside=self.step_aside,
+                          plain_fn=self.plain_fn)
         if not job.cancelled.is_set():
             self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)

@@ -81,3 +81,29 @@ def test_a_gate_that_switches_every_call_keeps_the_sampled_law(tmp_path):
         modes[(result.plain_tokens > 0, len(result.accept_lengths) > 0)] += 1
     assert modes[(True, True)] > STAT_SAMPLES // 4, modes  # both kinds of call in one generation, often
     assert not chi_square_p_below(counts, exact_distribution(target, sampling))
+
+
+@pytest.mark.slow  # a server process on the demo
+def test_the_server_steps_aside_per_engine_and_says_so(tmp_path):
+    """serve.py with --step_aside on (the default): replies equal generate()'s plain ones; each reply's eaglet record
+    says how many tokens plain steps made, and /metrics counts them all."""
+    import re
+    from test_serve import DEMO, PROMPTS, httpx, start_server
+    from tokenizer import Tokenizer
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    tokenizer = Tokenizer(DEMO / "target")
+    proc, url = start_server("--max_queue", "2", "--prefill_chunk", "8")
+    try:
+        made = 0
+        for prompt in PROMPTS[:3]:
+            reply = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 80, "temperature": 0},
+                               timeout=120).json()
+            ids = tokenizer.encode(prompt)
+            want = generate(target, ids, 80, GREEDY, eos_ids=tokenizer.eos_ids).tokens
+            assert reply["choices"][0]["text"] == tokenizer.decode(want)
+            made += reply["eaglet"]["plain_tokens"]
+        metrics = httpx.get(url + "/metrics").text
+        assert int(re.search(r"eaglet_plain_tokens_total (\d+)", metrics).group(1)) == made
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
