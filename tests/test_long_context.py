@@ -191,3 +191,20 @@ def test_smollm2_prefilled_in_chunks_gives_transformers_logits_at_7200_tokens(tm
     run = generate(model, ids, 6, GREEDY)
     expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, 7200:].tolist()
     assert run.tokens == expected
+
+
+@pytest.mark.parametrize("head", [None, "eagle", "dflash"])
+def test_a_next_turn_reusing_the_cache_prefills_its_new_tokens_in_chunks(head):
+    """A conversation's second turn (the cache holds the first; start_pos after it) prefilled in chunks of 8: the
+    tokens a fresh generation over the whole conversation gives."""
+    target, draft = random_models("tiny", "cpu", torch.float32, 1024, head=head or "eagle")
+    draft = draft if head else None
+    tree = TreeConfig(depth=3, topk=2, total_tokens=8) if head == "eagle" else TreeConfig(depth=3, topk=1, total_tokens=5)
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(0, 1024, (90,), generator=g).tolist()
+    reply = generate(target, first, 20, GREEDY, draft=draft, tree=tree, prefill_chunk=8)
+    turn = first + reply.tokens + torch.randint(0, 1024, (50,), generator=g).tolist()
+    reused = generate(target, turn, 20, GREEDY, draft=draft, tree=tree, prefill_chunk=8,
+                      start_pos=len(first) + len(reply.tokens) - reply.uncached)
+    fresh = generate(target, turn, 20, GREEDY, prefill_chunk=512)
+    assert reused.tokens == fresh.tokens
