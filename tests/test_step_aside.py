@@ -61,6 +61,21 @@ def test_cycles_that_pay_keep_speculating_after_one_probe(pair):
     assert again.plain_tokens == 0 and gate.switches == 2  # the estimates carry over: no probe this time
 
 
+def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair):
+    """When cycles resume, the head has read what the plain steps wrote: the cycles' accepted lengths from there are
+    those of a fresh generation over the same context."""
+    model, draft = pair
+    gate = fake_clock(cycle_seconds=1.2)  # three cycles, three plain steps timing a step, then cycles again
+    run = generate(model, prompt(3), 60, GREEDY, draft=draft, tree=TREE, step_aside=gate)
+    before = gate.trial_cycles + 1
+    resumed_at = 1 + sum(run.accept_lengths[:before]) + gate.probe_steps  # the root cycles resume from is tokens[-1]
+    fresh = generate(model, prompt(3) + run.tokens[:resumed_at - 1], 60 - resumed_at + 1, GREEDY, draft=draft,
+                     tree=TREE)
+    assert run.plain_tokens == gate.probe_steps and len(run.accept_lengths) > before + 3
+    assert fresh.tokens == run.tokens[resumed_at - 1:]
+    assert fresh.accept_lengths == run.accept_lengths[before:]
+
+
 def test_a_gate_that_switches_every_call_keeps_the_sampled_law(tmp_path):
     """Cycles and plain steps alternating at every call (3 tokens): the sequences follow the target's law."""
     from conftest import make_agreeing_pair
