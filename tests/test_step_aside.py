@@ -61,14 +61,18 @@ def test_cycles_that_pay_keep_speculating_after_one_probe(pair):
     assert again.plain_tokens == 0 and gate.switches == 2  # the estimates carry over: no probe this time
 
 
-def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair):
-    """When cycles resume, the head has read what the plain steps wrote: the cycles' accepted lengths from there are
-    those of a fresh generation over the same context."""
+def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair, monkeypatch):
+    """When cycles resume, the head reads what the plain steps wrote, from where it stopped: the cycles' accepted
+    lengths from there are those of a fresh generation over the same context."""
+    import decode
     model, draft = pair
+    reads, catch_up_plain = [], decode.catch_up_plain
+    monkeypatch.setattr(decode, "catch_up_plain", lambda *a, **k: reads.append(a[3]) or catch_up_plain(*a, **k))
     gate = fake_clock(cycle_seconds=1.2)  # three cycles, three plain steps timing a step, then cycles again
     run = generate(model, prompt(3), 60, GREEDY, draft=draft, tree=TREE, step_aside=gate)
     before = gate.trial_cycles + 1
     resumed_at = 1 + sum(run.accept_lengths[:before]) + gate.probe_steps  # the root cycles resume from is tokens[-1]
+    assert reads == [len(prompt(3)) + resumed_at - 1 - gate.probe_steps]  # the head stopped where the steps began
     fresh = generate(model, prompt(3) + run.tokens[:resumed_at - 1], 60 - resumed_at + 1, GREEDY, draft=draft,
                      tree=TREE)
     assert run.plain_tokens == gate.probe_steps and len(run.accept_lengths) > before + 3
