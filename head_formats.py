@@ -392,24 +392,32 @@ def head_config(config: dict, where: str) -> dict:
     return flat
 
 
-# Qwen3Config's defaults, which speculators reads for any key its transformer_layer_config leaves out (it writes
-# the differences from them only).
+# The defaults of the config class speculators rebuilds transformer_layer_config with (transformers' Qwen3Config or
+# LlamaConfig, as its model_type says) for any key the file leaves out. Either way speculators builds the same
+# Qwen3-style layers (q and k norms, attention_bias on q, k, v and o, no MLP bias); only these defaults differ.
+# LlamaConfig's head_dim and num_key_value_heads follow from its heads, as ModelArgs' own do.
 QWEN3_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
                   "rope_theta": 10000.0, "max_position_embeddings": 32768, "attention_bias": False}
+LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                  "max_position_embeddings": 2048, "attention_bias": False}
+LAYER_DEFAULTS = {"qwen3": QWEN3_DEFAULTS, "llama": LLAMA_DEFAULTS}
 
 
 def block_layer_config(config: dict, where: str) -> dict:
-    """A speculators dflash or dspark config flat: its Qwen3 layers' settings (transformer_layer_config, Qwen3's
+    """A speculators block drafter's config flat: its layers' settings (transformer_layer_config, its config class's
     defaults where it is silent) at the top, beside speculators' own keys."""
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise EagletError(f"{where}: a speculators config needs transformer_layer_config, a JSON object")
-    if layer.get("model_type", "qwen3") != "qwen3":
-        raise EagletError(f"{where}: transformer_layer_config model_type {layer.get('model_type')!r}: eaglet runs "
-                          "speculators' DFlash and DSpark layers of model_type qwen3")
-    defaults = QWEN3_DEFAULTS if "rope_parameters" not in layer else \
-        {k: v for k, v in QWEN3_DEFAULTS.items() if k != "rope_theta"}
+    arch = layer.get("model_type", "qwen3")
+    if arch not in LAYER_DEFAULTS:
+        raise EagletError(f"{where}: transformer_layer_config model_type {arch!r}: eaglet runs speculators' "
+                          "DFlash-family layers of model_type qwen3 and llama")
+    defaults = {k: v for k, v in LAYER_DEFAULTS[arch].items() if k != "rope_theta" or "rope_parameters" not in layer}
+    if arch == "llama":  # LlamaConfig keeps sliding_window whatever use_sliding_window says (Qwen3Config drops it)
+        layer = layer | {"use_sliding_window": layer.get("sliding_window") is not None}
     flat = {k: v for k, v in config.items() if k != "transformer_layer_config"}
     return flat | defaults | layer | {"model_type": "qwen3"}
 

@@ -23,19 +23,22 @@ speculators = pytest.importorskip("speculators", reason="the speculators package
 
 
 def speculators_head(tmp_path, hf, kind: str, anchor: bool, draft_vocab: int = 0, ids=(1, 5), n_layers=2, seed=0,
-                     vocab=VOCAB, hidden=HIDDEN, heads=HEADS, kv=KV_HEADS, head_dim=HEAD_DIM, inter=INTER, mask=MASK):
+                     vocab=VOCAB, hidden=HIDDEN, heads=HEADS, kv=KV_HEADS, head_dim=HEAD_DIM, inter=INTER, mask=MASK,
+                     arch="qwen3"):
     """A dflash2 or xpress head written by speculators' save_pretrained with random weights (the convolutions, the
     selector and the refiner large enough to change picks), converted; and speculators' model, the oracle. Its
-    embedding and (full-vocabulary) lm_head are the target's, as a trained head's are."""
-    from transformers import Qwen3Config
+    embedding and (full-vocabulary) lm_head are the target's, as a trained head's are. arch: its
+    transformer_layer_config's model_type (speculators' training CLI: --draft-arch qwen3 or llama)."""
+    from transformers import LlamaConfig, Qwen3Config
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     draft_vocab = draft_vocab or vocab
-    layer = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
-                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
-                        rope_theta=10000.0, max_position_embeddings=2048)
+    layer_config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+    layer = layer_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=2048)
     layer._attn_implementation = "eager"
     settings = SpeculatorsConfig(algorithm=kind, default_proposal_method="greedy",
                                  proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK - 1 + anchor)],
@@ -64,8 +67,9 @@ def speculators_head(tmp_path, hf, kind: str, anchor: bool, draft_vocab: int = 0
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[kept] = True
         oracle.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab))
-    folder = tmp_path / f"{kind}-{anchor}-{draft_vocab}-{seed}"
+    folder = tmp_path / f"{kind}-{anchor}-{draft_vocab}-{seed}-{arch}"
     oracle.eval().save_pretrained(str(folder))
+    assert json.loads((folder / "config.json").read_text())["transformer_layer_config"]["model_type"] == arch
     convert(folder, log=lambda *_: None)
     return folder, oracle
 
@@ -210,6 +214,25 @@ def test_xpress_refined_rows_are_what_speculators_computes(target8, tmp_path, mo
     plain = generate.generate(model, committed, 24, SamplingConfig())
     for tree in (TreeConfig(draft.default_depth, 1, draft.default_depth + 2), TreeConfig(2, 3, 10)):
         assert generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "xpress"])
+def test_a_llama_layer_config_runs_as_speculators_runs_it(target8, tmp_path, monkeypatch, kind):
+    """speculators builds the same Qwen3-style layers whether transformer_layer_config says qwen3 or llama
+    (--draft-arch llama): such a head's rows are what speculators computes."""
+    target_dir, hf = target8
+    folder, oracle = speculators_head(tmp_path, hf, kind, False, arch="llama")
+    model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(folder / "draft.pth", model)
+    assert isinstance(draft, DFlash2Draft if kind == "dflash2" else XPressDraft)
+    committed, root = [1, 17, 40, 8, 33, 71, 5], 22
+    hidden, unary, rounds = oracle_pass(oracle, hf, committed, root, monkeypatch if kind == "xpress" else None)
+    states, rows = my_pass(model, draft, committed, root)
+    torch.testing.assert_close(states, hidden[1:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(rows, (unary if kind == "dflash2" else rounds[-1])[1:], atol=2e-4, rtol=1e-4)
+    plain = generate.generate(model, committed, 16, SamplingConfig())
+    assert generate.generate(model, committed, 16, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10)).tokens \
+        == plain.tokens
 
 
 def test_xpress_reads_the_committed_token_before_the_root_every_cycle(target8, tmp_path, monkeypatch):

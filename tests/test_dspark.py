@@ -233,18 +233,20 @@ def test_sampling_with_a_dspark_head_matches_the_target_distribution(tmp_path):
 # ---- speculators' layout, held to speculators' own model code -----------------------------------------------
 
 def speculators_head(tmp_path, hf, kind: str, anchor: bool, draft_vocab: int, n_layers=2, block=4, ids=(1, 5),
-                     seed=0):
+                     seed=0, arch="qwen3"):
     """A head written by the speculators package itself (save_pretrained) with our random weights, and that
-    package's model (the oracle). draft_vocab < 96: a draft vocabulary with its own lm_head, d2t and t2d."""
+    package's model (the oracle). draft_vocab < 96: a draft vocabulary with its own lm_head, d2t and t2d.
+    arch: its transformer_layer_config's model_type (speculators' training CLI: --draft-arch qwen3 or llama)."""
     pytest.importorskip("speculators", reason="the speculators package (the oracle for its layout) is not installed")
-    from transformers import Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    layer = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=n_layers,
-                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
-                        rope_theta=10000.0, max_position_embeddings=2048)
+    layer_config = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
+    layer = layer_config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=n_layers,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=2048)
     layer._attn_implementation = "eager"
     settings = SpeculatorsConfig(algorithm=kind, default_proposal_method="greedy",
                                  proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=block - 1 + anchor)],
@@ -265,8 +267,9 @@ def speculators_head(tmp_path, hf, kind: str, anchor: bool, draft_vocab: int, n_
         t2d = torch.zeros(VOCAB, dtype=torch.bool)
         t2d[kept] = True
         oracle.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab))
-    folder = tmp_path / f"{kind}-{anchor}-{draft_vocab}"
+    folder = tmp_path / f"{kind}-{anchor}-{draft_vocab}-{arch}"
     oracle.eval().save_pretrained(str(folder))
+    assert json.loads((folder / "config.json").read_text())["transformer_layer_config"]["model_type"] == arch
     convert(folder)
     return folder, oracle, kept
 
@@ -285,12 +288,13 @@ def oracle_block(oracle, hf, committed: list, root: int, block: int):
     return hidden[0], logits[0]
 
 
-@pytest.mark.parametrize("kind, anchor, draft_vocab", [("dspark", True, VOCAB), ("dspark", False, VOCAB),
-                                                       ("dspark", True, 40), ("dflash", False, VOCAB),
-                                                       ("dflash", True, 40), ("dflash", False, 40)])
-def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, kind, anchor, draft_vocab):
+@pytest.mark.parametrize("kind, anchor, draft_vocab, arch", [
+    ("dspark", True, VOCAB, "qwen3"), ("dspark", False, VOCAB, "qwen3"), ("dspark", True, 40, "qwen3"),
+    ("dflash", False, VOCAB, "qwen3"), ("dflash", True, 40, "qwen3"), ("dflash", False, 40, "qwen3"),
+    ("dspark", True, 40, "llama"), ("dflash", False, VOCAB, "llama")])  # llama: the same layers, LlamaConfig's keys
+def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, kind, anchor, draft_vocab, arch):
     target_dir, hf = target8
-    folder, oracle, kept = speculators_head(tmp_path, hf, kind, anchor, draft_vocab)
+    folder, oracle, kept = speculators_head(tmp_path, hf, kind, anchor, draft_vocab, arch=arch)
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     assert isinstance(draft, DSparkDraft) == (kind == "dspark") and draft.anchor_drafts == anchor
@@ -316,6 +320,24 @@ def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, 
     plain = generate.generate(model, committed, 24, SamplingConfig())
     spec = generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10))
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_what_a_layer_config_leaves_out_is_its_config_class_default(arch):
+    """speculators rebuilds transformer_layer_config with transformers' Qwen3Config or LlamaConfig, as its model_type
+    says: a key the file leaves out is that class's default (LLaMA's head_dim from its heads, Qwen3's 128)."""
+    from transformers import LlamaConfig, Qwen3Config
+    from head_formats import block_layer_config, head_args
+    written = {"model_type": arch, "hidden_size": 256, "num_hidden_layers": 1}
+    theirs = {"qwen3": Qwen3Config, "llama": LlamaConfig}[arch](**written)
+    args = head_args(block_layer_config({"speculators_model_type": "dflash", "transformer_layer_config": written}, "x"))
+    assert (args.vocab_size, args.intermediate_size, args.n_head, args.n_local_heads, args.head_dim, args.norm_eps,
+            args.rope_base, args.max_position_embeddings, args.qkv_bias, args.o_bias) == \
+        (theirs.vocab_size, theirs.intermediate_size, theirs.num_attention_heads, theirs.num_key_value_heads,
+         theirs.head_dim, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.max_position_embeddings,
+         theirs.attention_bias, theirs.attention_bias)
+    with pytest.raises(generate.EagletError, match="model_type 'mistral': eaglet runs speculators' DFlash-family"):
+        block_layer_config({"transformer_layer_config": written | {"model_type": "mistral"}}, "x")
 
 
 def test_a_speculators_head_without_sample_from_anchor_is_refused(target8, tmp_path):
