@@ -34,14 +34,15 @@ def cycle_outputs(target, draft, prompt, tree):
     return h_last, expanded.tokens, expanded.draft_logp
 
 
+@pytest.mark.parametrize("n", [300, 30])  # a context past the window, and one the window and sinks overlap in
 @pytest.mark.parametrize("head, tree", [("eagle", TreeConfig(depth=3, topk=3, total_tokens=12)),
                                         ("dflash", TreeConfig(depth=3, topk=2, total_tokens=8)),
                                         ("peagle", TreeConfig(depth=3, topk=1, total_tokens=5))])
-def test_the_window_attends_as_the_whole_cache_masked_to_the_band(head, tree):
+def test_the_window_attends_as_the_whole_cache_masked_to_the_band(head, tree, n):
     """h_last and the drafted tree with the window equal those of the head over the whole cache under the reference
-    mask, and differ from full attention's (the window did something)."""
+    mask, and, past the window, differ from full attention's (the window did something)."""
     target, draft = random_models("tiny", "cpu", torch.float32, 512, head=head)
-    prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     full = cycle_outputs(target, draft, prompt, tree)
     draft.set_window(WINDOW, SINKS)
     windowed = cycle_outputs(target, draft, prompt, tree)
@@ -50,7 +51,7 @@ def test_the_window_attends_as_the_whole_cache_masked_to_the_band(head, tree):
     reference = cycle_outputs(target, draft, prompt, tree)
     for got, want in zip(windowed, reference):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(windowed[2], full[2], atol=1e-4)
+    assert (n < SINKS + WINDOW) == torch.allclose(windowed[2], full[2], atol=1e-4)
 
 
 def test_the_head_reads_only_the_band_of_its_cache():

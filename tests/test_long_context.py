@@ -83,6 +83,21 @@ def test_a_head_reads_a_prompt_in_chunks_as_in_one_call(head):
         assert run.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("head", ["eagle", "peagle"])
+def test_generate_reads_a_chunked_prompt_into_the_head_as_one_read(head):
+    """generate() hands the head each chunk's pairs as it goes: the head's cache over the prompt is what one read of the
+    whole prompt writes."""
+    target, draft = random_models("tiny", "cpu", torch.float32, 512, head=head)
+    prompt = torch.randint(0, 1024, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    tree = TreeConfig(depth=2, topk=1, total_tokens=3)
+    caches = []
+    for chunk in (200, 16):
+        draft.kv_cache.kv.zero_()
+        generate(target, prompt, 2, GREEDY, draft=draft, tree=tree, prefill_chunk=chunk)
+        caches.append(draft.kv_cache.kv[..., :len(prompt) - 1, :].clone())
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-5, rtol=1e-5)
+
+
 def test_batch_rows_prefilled_in_chunks_decode_as_each_alone():
     """generate_batch with chunks shorter than the prompts (whose ends fall in different chunks): each row decodes
     what it decodes alone, plain and with a head."""
