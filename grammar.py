@@ -11,6 +11,7 @@ sampling a fresh draw from the restricted distribution. A draw from the whole di
 otherwise replaced by a draw from the restricted one is distributed as the restricted one: p(x) + p(refused) p(x) /
 p(allowed) = p(x) / p(allowed).
 """
+import copy
 import json
 from functools import lru_cache
 from typing import Optional
@@ -104,9 +105,20 @@ class Constraint:
         self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
         if self.matcher.is_error():
             raise EagletError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.start_counts()
+
+    def start_counts(self):
         self.cuts = 0  # positions where the target's pick was refused and the masked pick taken
         self.forced_runs, self.forced_tokens = 0, 0  # runs of forced tokens taken without the target (forced)
         self.last_run = []  # the run the last take() was followed by (serve.py marks those tokens)
+
+    def copy(self) -> "Constraint":
+        """Another generation's Constraint on the same grammar (a request's n choices), compiled once: the copy's
+        matcher is a deep copy of this one's, in the state this one is in (make copies before taking tokens)."""
+        other = copy.copy(self)
+        other.matcher = self.matcher.deep_copy()
+        other.start_counts()
+        return other
 
     def allowed(self, device) -> Tensor:
         """bool [n_vocab]: the tokens the grammar allows next."""

@@ -41,7 +41,7 @@ from checkpoint import EagletError
 from cli import cli_parser, float_flag, int_flag
 from decode import (MAX_TOP_LOGPROBS, SamplingConfig, StepAside, compile_settings, compile_step, decode_one_token,
                     speculative_cycle)
-from grammar import Constraint, grammar_of, response_format_grammar, token_bytes
+from grammar import Constraint, grammar_of, grammar_tokenizer, response_format_grammar, token_bytes
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable
 
 PAGE = Path(__file__).resolve().parent / "serve.html"
@@ -175,6 +175,7 @@ class Engine:
                            prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None else 0
         self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
+        self.grammar_tokenizer()
         if self.max_batch > 1:  # caches of max_batch rows (one prompt alone uses the first)
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)
             if self.draft is not None:
@@ -184,6 +185,14 @@ class Engine:
                                      step_fn=compile_step(step, args.device) if args.compile else step)
         if args.compile:
             warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
+
+    def grammar_tokenizer(self):
+        """llguidance's view of the tokenizer (every token's bytes: about a second for 128k ids) built now, in the
+        engine's thread, not by the first request that asks for a grammar or logprobs."""
+        try:
+            grammar_tokenizer(self.tokenizer, self.model.args.vocab_size)
+        except Exception as e:  # no llguidance, or a tokenizer it cannot read: the requests that need it say why
+            print(f"warning: structured output and logprobs' token bytes are unavailable: {e}", flush=True)
 
     def stepping_aside(self, args):
         """--step_aside on with a head: plain steps wherever a cycle costs more than the tokens it gives, judged by one
@@ -523,13 +532,15 @@ class Server:
 
     async def complete(self, request: Request, chat: bool):
         if self.draining:
-            self.engine.metrics.count("refused")
-            return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
+            return self.refuse_draining()
         try:
-            jobs, stream, usage_in_stream = self.make_jobs(await self.body(request), chat)
+            jobs, stream, usage_in_stream, compile_grammar = self.make_jobs(await self.body(request), chat)
+            await self.constrain(jobs, compile_grammar)
         except ApiError as e:
             self.engine.metrics.count("refused")
             return e.response()
+        if self.draining:  # it began while the grammar compiled
+            return self.refuse_draining()
         for queued, job in enumerate(jobs):
             try:
                 self.engine.jobs.put_nowait(job)
@@ -547,6 +558,19 @@ class Server:
             return StreamingResponse(self.chunks(jobs, head, chat, usage_in_stream), media_type="text/event-stream")
         return await self.whole(request, jobs, head, chat)
 
+    def refuse_draining(self) -> JSONResponse:
+        self.engine.metrics.count("refused")
+        return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
+
+    @staticmethod
+    async def constrain(jobs: list, compile_grammar):
+        """The request's grammar compiled once, in a worker thread (a large schema takes a while, and the event loop
+        sends every other stream's chunks meanwhile); each job gets its own copy of the compiled matcher."""
+        constraint = await asyncio.to_thread(compile_grammar)
+        if constraint is not None:
+            for job in jobs:
+                job.constraint = constraint.copy()
+
     async def body(self, request: Request) -> dict:
         raw = await request.body()
         if len(raw) > MAX_BODY:
@@ -561,7 +585,8 @@ class Server:
 
     def make_jobs(self, body: dict, chat: bool) -> tuple:
         """The request as Jobs, one a choice: each prompt (a completion's prompt may be a list) n times, each checked
-        against the cache's room; whether to stream, and usage in the stream."""
+        against the cache's room; whether to stream, and usage in the stream; and the call that compiles its grammar
+        (a Constraint, or None) for Server.constrain to run off the event loop."""
         model = body.get("model")
         if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
@@ -597,17 +622,15 @@ class Server:
         if len(prompts) * n > self.engine.jobs.maxsize:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        constraint = partial(self.call_constraint, tool_form, body["tools"], calls) if calls \
+        compile_grammar = partial(self.call_constraint, tool_form, body["tools"], calls) if calls \
             else partial(self.constraint_of, body)
         if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
             raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
                                 "(or regex, grammar), not both", "tool_choice")
-        constraint()  # refused now if it cannot be compiled; each job gets its own state below
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, constraint(), tool_form, body.get("parallel_tool_calls") is False,
-                    index=i * n + k)
+                    reuse, loop, events, None, tool_form, body.get("parallel_tool_calls") is False, index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
-        return jobs, stream, bool(options.get("include_usage"))
+        return jobs, stream, bool(options.get("include_usage")), compile_grammar
 
     def tools_of(self, body: dict, chat: bool) -> tuple:
         """(tools for the chat template, the format its calls are read in, the names a call is forced among) of
