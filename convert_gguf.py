@@ -2,10 +2,12 @@
 tokenizer files, and the weights under Hugging Face names. The file is parsed here (header, metadata, tensor
 table, memory-mapped data), so no GGUF library is needed.
 
-Weights: F32 / F16 / BF16 are taken as they are; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K are dequantized to bf16
+Weights keep the file's values exactly. F32 / F16 / BF16 are taken as they are; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K
+are dequantized as llama.cpp computes them, in fp32, and kept in fp16 where that holds every value of a tensor
 (other types too if the gguf package is installed: it has code for more, Q2_K, Q3_K, the IQ types); Q4_0,
-Q4_1 and Q4_K Linears map onto Int4Linear's group-32 form without going through floats (w = (q - 8) * scale +
-zero per 32 input channels; only the scales and zeros round, to bf16). llama.cpp stores the query and key
+Q4_1 and Q4_K Linears map onto Int4Linear's group-32 form with minimums without going through floats
+(w = q * scale + minimum per 32 input channels, the scales and minimums in fp16 as the file has them, or in
+fp32 where fp16 does not hold them: Q4_K's are products of two fields). llama.cpp stores the query and key
 rows of LLaMA-family attention permuted for its RoPE; they are put back in Hugging Face's order.
 
 Imports checkpoint.py and quantize.py; convert_hf_checkpoint.py imports it.
@@ -238,29 +240,38 @@ def blocks_of(f: GGUFFile, name: str) -> Tensor:
     return torch.from_numpy(f.raw(name).copy()).reshape(-1, f.tensors[name].block_bytes)
 
 
+def narrowest_exact(values: Tensor) -> Tensor:
+    """fp32 values in fp16 where that holds every one of them exactly (half the bytes), else as they are."""
+    half = values.half()
+    return half if torch.equal(half.float(), values) else values
+
+
 def dequantize(f: GGUFFile, name: str, dtype=None) -> Tensor:
-    """A tensor as float: F32 / F16 / BF16 as stored, a quantized one in bf16 (or in dtype if given)."""
+    """A tensor as float: F32 / F16 / BF16 as stored, a quantized one as llama.cpp computes it (fp32), kept in
+    fp16 if that holds it exactly; in dtype if given."""
     t = f.tensors[name]
     if t.type in ("F32", "F16", "BF16"):
         stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.type]
         return torch.from_numpy(f.raw(name).copy()).view(stored).reshape(t.shape).to(dtype or stored)
-    return dequantize_blocks(blocks_of(f, name), t.type).reshape(t.shape).to(dtype or torch.bfloat16)
+    values = dequantize_blocks(blocks_of(f, name), t.type).reshape(t.shape)
+    return values.to(dtype) if dtype else narrowest_exact(values)
 
 
 def int4_groups(f: GGUFFile, name: str) -> tuple:
-    """A Q4_0 / Q4_1 / Q4_K matrix [out, in] as (q uint8 [out, in] in 0..15, scale and zero [out, in / 32],
-    float32): w = (q - 8) * scale + zero, exactly the file's weights."""
+    """A Q4_0 / Q4_1 / Q4_K matrix [out, in] as (q uint8 [out, in] in 0..15, scale and minimum [out, in / 32],
+    float32): w = q * scale + minimum, in fp32 exactly the file's weights as llama.cpp computes them (q * scale
+    is exact, only the sum rounds)."""
     t = f.tensors[name]
     blocks = blocks_of(f, name)
     if t.type == "Q4_K":
         q, scale, minimum = q4k_groups(blocks)
-        scale, zero = scale.reshape(-1), 8 * scale.reshape(-1) - minimum.reshape(-1)
+        scale, minimum = scale.reshape(-1), -minimum.reshape(-1)
     else:
         offset = 4 if t.type == "Q4_1" else 2
         q, scale = low_high(blocks[:, offset:offset + 16]), halves(blocks, 0).reshape(-1)
-        zero = (8 * scale + halves(blocks, 2).reshape(-1)) if t.type == "Q4_1" else torch.zeros_like(scale)
+        minimum = halves(blocks, 2).reshape(-1) if t.type == "Q4_1" else -8 * scale  # Q4_0: d * (q - 8)
     out_features, in_features = t.shape
-    return (q.reshape(out_features, in_features), scale.reshape(out_features, -1), zero.reshape(out_features, -1))
+    return (q.reshape(out_features, in_features), scale.reshape(out_features, -1), minimum.reshape(out_features, -1))
 
 
 def unpermute(t: Tensor, n_head: int) -> Tensor:
@@ -313,7 +324,7 @@ def gguf_config(f: GGUFFile) -> dict:
     config.update(rms_norm_eps=key(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6),
                   rope_theta=key(meta, arch, "rope.freq_base", 10000.0),
                   max_position_embeddings=key(meta, arch, "context_length", 4096),
-                  tie_word_embeddings="output.weight" not in f.tensors, torch_dtype="bfloat16",
+                  tie_word_embeddings="output.weight" not in f.tensors, torch_dtype="float32",
                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"))
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
@@ -442,11 +453,11 @@ def linear_types(f: GGUFFile) -> list:
 
 
 def layer_linear(f: GGUFFile, name: str, int4: bool, n_head: int) -> dict:
-    """One Linear (GGUF name without .weight) as weight [+ bias], or Int4Linear's weight, scales and zeros;
+    """One Linear (GGUF name without .weight) as weight [+ bias], or Int4Linear's weight, scales and minimums;
     its rows put back in Hugging Face's order if n_head (a LLaMA-family query or key)."""
     if int4:
-        q, scale, zero = int4_groups(f, f"{name}.weight")
-        parts = {"weight": q, "scales": scale.to(torch.bfloat16), "zeros": zero.to(torch.bfloat16)}
+        q, scale, minimum = int4_groups(f, f"{name}.weight")
+        parts = {"weight": q, "scales": narrowest_exact(scale), "minimums": narrowest_exact(minimum)}
     else:
         parts = {"weight": dequantize(f, f"{name}.weight")}
     if f"{name}.bias" in f.tensors:

@@ -30,9 +30,10 @@ In OUT an existing converted file, or a copy that differs from the folder's, is 
 (an identical copy is kept as it is).
 
 A GGUF file (llama.cpp, ollama, LM Studio; --checkpoint_dir names the .gguf file, or a folder holding one and no
-config.json) becomes model_int4.g32.pth where its Linears are Q4_0, Q4_1 or Q4_K (their 4-bit integers kept,
-the lm_head in int8), else a bf16 model.pth (--dequantize: bf16 in any case), with config.json, tokenizer.json,
-tokenizer_config.json (the chat template) and generation_config.json written beside it from its metadata:
+config.json) becomes model_int4.g32.pth where its Linears are Q4_0, Q4_1 or Q4_K (their 4-bit integers, fp16
+scales and minimums kept), else a model.pth (--dequantize: in any case) of the file's values (dequantized in
+fp32, or fp16 where that holds them exactly), with config.json, tokenizer.json, tokenizer_config.json (the
+chat template) and generation_config.json written beside it from its metadata:
 
     python convert_hf_checkpoint.py --checkpoint_dir SmolLM2-135M-Instruct.Q4_1.gguf --out_dir checkpoints/smollm2
     python generate.py --checkpoint_path checkpoints/smollm2/model_int4.g32.pth --chat --precision bf16 \
@@ -60,8 +61,9 @@ def parse_args(argv=None):
                         "files the tools read beside it, leaving --checkpoint_dir untouched (default: "
                         "--checkpoint_dir itself)")
     p.add_argument("--dequantize", action="store_true",
-                   help="a .gguf file: write a bf16 model.pth even where its Linears are 4-bit (by default they stay "
-                        "4-bit, in model_int4.g32.pth)")
+                   help="a .gguf file: write model.pth, every weight dequantized (fp32, or fp16 where that holds "
+                        "it exactly), even where its Linears are 4-bit (by default they stay 4-bit, in "
+                        "model_int4.g32.pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing converted file in --out_dir and the copies there that differ; a Hub "
                         "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, model.pth and "
@@ -146,10 +148,11 @@ LAYER_LINEARS = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "sel
 
 def convert_layer(weights: dict, src: str, dst: str) -> dict:
     """One decoder layer from Hugging Face names (prefix src) to ours (prefix dst). Pops what it uses. Each
-    Linear's parts are fused alike: weight, bias, and the scales and zeros of a Hub 4-bit checkpoint's."""
+    Linear's parts are fused alike: weight, bias, and the scales and zeros (a GGUF file's minimums) of a 4-bit
+    checkpoint's."""
     out = {}
     for ours, theirs in LAYER_LINEARS.items():
-        for part in ("weight", "bias", "scales", "zeros"):
+        for part in ("weight", "bias", "scales", "zeros", "minimums"):
             if part == "weight" or f"{src}{theirs[0]}.{part}" in weights:
                 out[f"{dst}{ours}.{part}"] = torch.cat([weights.pop(f"{src}{t}.{part}") for t in theirs])
     out[f"{dst}ffn_norm.weight"] = weights.pop(f"{src}post_attention_layernorm.weight")
@@ -693,17 +696,19 @@ def convert_weights(checkpoint_dir: Path, config: dict, weights: dict, tmp_dir: 
 
 
 def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> dict:
-    """A GGUF file's weights in our names: bf16, or quantize.py's int4 g32 form where its Linears are 4-bit
-    (the lm_head then in int8, as quantize.py has it; a tied one gets its own copy)."""
+    """A GGUF file's weights in our names, its values exactly: dequantized ones in fp16 where that holds them,
+    else fp32; where its Linears are 4-bit, Int4Linear's g32 form with the file's scales and minimums. The
+    embedding and lm_head (a tied one stays tied) as the file has them, not requantized."""
     args = ModelArgs.from_hf_config(config)
     check_tensor_names(f, args.n_layer)
     types = sorted(set(linear_types(f)))
-    out = {QUANT_KEY: quantization_record("int4", 32, f"{f.path.name} ({', '.join(types)})")} if int4 else {}
-    embed = dequantize(f, "token_embd.weight")
-    rest = {"tok_embeddings.weight": embed, "norm.weight": dequantize(f, "output_norm.weight")}
-    if "output.weight" in f.tensors or int4:
-        rest["output.weight"] = dequantize(f, "output.weight") if "output.weight" in f.tensors else embed
-    out.update(spill(quantize_group(rest, "int4", 32) if int4 else rest, tmp_dir, "embeddings"))
+    record = quantization_record("int4", 32, f"{f.path.name} ({', '.join(types)})", format_version=2)
+    out = {QUANT_KEY: record | {"lm_head": "as in the file"}} if int4 else {}
+    rest = {"tok_embeddings.weight": dequantize(f, "token_embd.weight"),
+            "norm.weight": dequantize(f, "output_norm.weight")}
+    if "output.weight" in f.tensors:
+        rest["output.weight"] = dequantize(f, "output.weight")
+    out.update(spill(rest, tmp_dir, "embeddings"))
     with Progress("converting", args.n_layer, "layers", log=log) as progress:
         for i in range(args.n_layer):
             layer = gguf_layer(f, i, config, int4_allowed=int4)
@@ -713,7 +718,7 @@ def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> di
 
 
 def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit: bool = True) -> Path:
-    """DIR/model.pth (bf16) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
+    """DIR/model.pth (dequantized) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
     config.json, tokenizer.json, tokenizer_config.json and generation_config.json the metadata describes.
     DIR: out_dir, else the file's folder. A file there that differs is replaced only if overwrite."""
     f = read_gguf(find_gguf(path))
@@ -727,7 +732,8 @@ def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit
     int4 = keep_4bit and any(t in INT4_TYPES for t in types)
     other = sorted(set(t for t in types if t not in INT4_TYPES + ("F32", "F16", "BF16")))
     if other:
-        log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them to bf16"
+        log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them (fp32, or fp16 "
+            "where that holds them exactly)"
             + (" (and the other Linears fused with them: q, k, v and gate, up go together)" if int4 else ""))
     if int4:
         check_int4_widths(args, 32)

@@ -56,7 +56,10 @@ from torch import Tensor  # noqa: E402
 
 from checkpoint import QUANT_KEY, EagletError, converted_file, converted_files, load_state_dict  # noqa: E402
 
-QUANT_FORMAT_VERSION = 1  # of the record a quantized file holds under QUANT_KEY; a newer one is refused
+# The newest format of the record a quantized file holds under QUANT_KEY that this eaglet reads; a newer one is
+# refused. 2: int4 Linears may hold minimums in place of zeros (a GGUF file's own form; convert_gguf.py writes
+# it), which a version 1 reader would take for damage. quantize.py's own files stay version 1.
+QUANT_FORMAT_VERSION = 2
 # 2-D weights that are not Linears
 EMBEDDINGS = ("tok_embeddings.weight", "embed.weight", "markov_head.markov_w1.weight",
               "refiner_head.token_embed.weight")
@@ -132,33 +135,54 @@ class Int4Linear(nn.Module):
     """Weight-only int4, grouped and asymmetric: w = (q - 8) * scale + zero for q in 0..15, one scale and
     zero per group of groupsize input channels (tinygemm's convention). As stored: weight uint8
     [out, in / 2] (two values a byte, the even input channel in the high nibble), scales and zeros
-    [out, in / groupsize]; pack() turns them into the layout of the device's kernel."""
+    [out, in / groupsize]; pack() turns them into the layout of the device's kernel.
 
-    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+    With minimums (a GGUF file's Q4_0 / Q4_1 / Q4_K, as llama.cpp computes them): w = q * scale + minimum, the
+    file's fp16 (or exact fp32) scales and minimums kept as they are. In fp32 that is the file's weight exactly.
+    The zero the kernels take, 8 * scale + minimum, is worked out in fp32 from the file's values when the Linear
+    is loaded (file_zeros, a plain attribute: the model's .to(dtype) does not round it) and rounds once, to the
+    kernel's dtype, in pack()."""
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
+                 minimums: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.weight = frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.scales = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
-        self.zeros = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
+        offsets = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
+        self.zeros, self.minimums = (None, offsets) if minimums else (offsets, None)
         self.bias = frozen(torch.empty(out_features)) if bias else None
+        self.file_zeros: Optional[Tensor] = None
         self.packed_for: Optional[str] = None
 
     def dequantize(self) -> Tensor:
-        """The weight [out, in] as floats: (q - 8) * scale + zero in the scales' dtype (before pack())."""
+        """The weight [out, in] as floats in the scales' dtype (before pack()): (q - 8) * scale + zero, or
+        q * scale + minimum (q * scale is exact in fp32, so only the sum rounds, as in llama.cpp)."""
         values = torch.stack([self.weight >> 4, self.weight & 15], dim=-1).view(self.out_features, -1)
+        if self.minimums is not None:
+            scales, minimums = (t.repeat_interleave(self.groupsize, dim=1) for t in (self.scales, self.minimums))
+            return values.to(scales.dtype) * scales + minimums
         scales, zeros = (t.repeat_interleave(self.groupsize, dim=1) for t in (self.scales, self.zeros))
         return (values.to(scales.dtype) - 8) * scales + zeros
+
+    def kernel_zeros(self) -> Tensor:
+        """The value at q = 8 of each group, as torch's int4 kernels take it."""
+        if self.minimums is None:
+            return self.zeros
+        if self.file_zeros is None:  # built by hand, not loaded by use_quantized_linears
+            return 8 * self.scales.float() + self.minimums.float()
+        return self.file_zeros.to(self.scales.device)
 
     def pack(self):
         device = self.weight.device.type
         if device == "cpu" and self.scales.dtype == torch.float32:
             # fp32 activations on a CPU: torch's int4 kernel is vectorized for bf16 only, and its fp32 scalar loop
             # ran 20x slower than the same weights as floats (BENCHMARKS.md). So the weight is kept dequantized:
-            # exact, since (q - 8) times a bf16 scale is exact in fp32 and the zero is added with one rounding,
-            # as the kernel does.
+            # exact, since (q - 8) times a bf16 scale (q times an fp16 one) is exact in fp32 and the zero (the
+            # minimum) is added with one rounding, as the kernel (llama.cpp) does.
             self.weight = frozen(self.dequantize())
-            del self.scales, self.zeros
-            self.packed_for = "cpu, dequantized"
+            del self.scales, self.zeros, self.minimums
+            self.file_zeros, self.packed_for = None, "cpu, dequantized"
             return
         convert, _ = int4_kernel(device)
         if device == "cuda" and torch.cuda.get_device_capability(self.weight.device) < (8, 0):
@@ -170,9 +194,12 @@ class Int4Linear(nn.Module):
         else:  # the CPU kernel takes one int32 per value, and scales in the activations' dtype
             values = torch.stack([self.weight >> 4, self.weight & 15], dim=-1).view(self.out_features, -1)
             packed, dtype = convert(values.to(torch.int32).contiguous(), 1), self.scales.dtype
-        self.scales_and_zeros = frozen(torch.stack([self.scales.t(), self.zeros.t()], dim=-1).to(dtype).contiguous())
+        zeros = self.kernel_zeros()
+        self.scales_and_zeros = frozen(torch.stack([self.scales.t().to(zeros.dtype), zeros.t()], dim=-1).to(dtype)
+                                       .contiguous())
         self.weight = frozen(packed)
-        del self.scales, self.zeros
+        del self.scales, self.zeros, self.minimums
+        self.file_zeros = None
         self.packed_for = device
 
     def forward(self, x: Tensor) -> Tensor:
@@ -233,23 +260,28 @@ def int4_kernel(device: str):
 
 def use_quantized_linears(module: nn.Module, state_dict: dict):
     """Replace each nn.Linear that the state dict holds quantized (it has NAME.scales) by an Int8Linear, or an
-    Int4Linear if it also has NAME.zeros, ready for load_state_dict(assign=True). Call on the meta device."""
+    Int4Linear if it also has NAME.zeros (or NAME.minimums), ready for load_state_dict(assign=True). Call on the
+    meta device."""
     for name, linear in list(module.named_modules()):
         scales = state_dict.get(f"{name}.scales")
         if not isinstance(linear, nn.Linear) or scales is None:
             continue
         bias, weight = linear.bias is not None, state_dict.get(f"{name}.weight")
-        stored = torch.uint8 if f"{name}.zeros" in state_dict else torch.int8
+        int4 = f"{name}.zeros" in state_dict or f"{name}.minimums" in state_dict
+        stored = torch.uint8 if int4 else torch.int8
         if weight is None or weight.dtype != stored:
             raise EagletError(f"{name}: a quantized layer's weight must be {stored}, not "
                               f"{'missing' if weight is None else weight.dtype} (a damaged file?)")
-        if f"{name}.zeros" in state_dict:
+        if int4:
             n_groups = scales.shape[-1] if scales.ndim == 2 and scales.shape[-1] else 0
             groupsize = linear.in_features // n_groups if n_groups else 0
             if groupsize not in (32, 64, 128, 256) or groupsize * n_groups != linear.in_features:
                 raise EagletError(f"{name}: {tuple(scales.shape)} int4 scales do not make groups of 32, 64, 128 or "
                                   f"256 of its {linear.in_features} input channels (a damaged file?)")
-            new = Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
+            minimums = state_dict.get(f"{name}.minimums")
+            new = Int4Linear(linear.in_features, linear.out_features, groupsize, bias, minimums is not None)
+            if minimums is not None:
+                new.file_zeros = 8 * scales.float() + minimums.float()
         else:
             new = Int8Linear(linear.in_features, linear.out_features, bias)
         parent, _, child = name.rpartition(".")
@@ -341,8 +373,8 @@ def layer_groups(names) -> dict:
     return groups
 
 
-def quantization_record(mode: str, groupsize: int, source: str) -> dict:
-    return {"format_version": QUANT_FORMAT_VERSION, "mode": mode, "groupsize": groupsize if mode == "int4" else 0,
+def quantization_record(mode: str, groupsize: int, source: str, format_version: int = 1) -> dict:
+    return {"format_version": format_version, "mode": mode, "groupsize": groupsize if mode == "int4" else 0,
             "lm_head": "int8", "source": source}
 
 

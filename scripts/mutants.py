@@ -129,12 +129,12 @@ MUTANTS = [
       "ahead = device.type == \"cuda\" and RUN_AHEAD if run_ahead is None else run_ahead", "ahead = False"),
     # sampling
     M("sampling: top-p drops the token that crosses it", "decode.py",
-      "drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p", "drop = sorted_probs.cumsum(-1) >= sampling.top_p"),
+      "drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p)", "drop = (sorted_probs.cumsum(-1) >= top_p)"),
     M("sampling: temperature ignored", "decode.py",
       "logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature",
       "logits = logits - logits.amax(dim=-1, keepdim=True)"),
     M("sampling: top-k keeps one too many", "decode.py",
-      "kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])", "kth = torch.topk(logits, min(sampling.top_k + 1, logits.shape[-1])"),
+      "kth = sorted_logits.gather(-1, (k - 1).expand(", "kth = sorted_logits.gather(-1, k.clamp(max=vocab - 1).expand("),
     M("sampling: the exponential race multiplies", "decode.py",
       "torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)",
       "torch.argmax(probs * torch.empty_like(probs).exponential_(1), dim=-1)"),
@@ -289,8 +289,8 @@ MUTANTS = [
     # GGUF files
     M("gguf: query / key rows left in llama.cpp's order", "convert_gguf.py",
       "    return t.reshape(n_head, -1, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)", "    return t"),
-    M("gguf: Q4_1's zero point without 8 d", "convert_gguf.py",
-      "zero = (8 * scale + halves(blocks, 2).reshape(-1))", "zero = (halves(blocks, 2).reshape(-1))"),
+    M("gguf: Q4_1's minimum dropped", "convert_gguf.py",
+      "minimum = halves(blocks, 2).reshape(-1) if", "minimum = 0 * scale if"),
     # DFlash heads
     M("dflash: the block attends causally, not to the whole block", "block_draft.py",
       "every = torch.ones(n, n, dtype=torch.bool, device=root.device)",
