@@ -139,9 +139,9 @@ class Int4Linear(nn.Module):
 
     With minimums (a GGUF file's Q4_0 / Q4_1 / Q4_K, as llama.cpp computes them): w = q * scale + minimum, the
     file's fp16 (or exact fp32) scales and minimums kept as they are. In fp32 that is the file's weight exactly.
-    The zero the kernels take, 8 * scale + minimum, is worked out in fp32 from the file's values when the Linear
-    is loaded (file_zeros, a plain attribute: the model's .to(dtype) does not round it) and rounds once, to the
-    kernel's dtype, in pack()."""
+    The zero the kernels take, 8 * scale + minimum, is worked out in pack() in fp32 from the file's values (kept
+    as loaded in file_values, a plain attribute that the model's .to(dtype) does not round) and rounds once, to
+    the kernel's dtype."""
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
                  minimums: bool = False):
@@ -152,7 +152,7 @@ class Int4Linear(nn.Module):
         offsets = frozen(torch.empty(out_features, in_features // groupsize, dtype=torch.bfloat16))
         self.zeros, self.minimums = (None, offsets) if minimums else (offsets, None)
         self.bias = frozen(torch.empty(out_features)) if bias else None
-        self.file_zeros: Optional[Tensor] = None
+        self.file_values: Optional[tuple] = None  # (scales, minimums) as use_quantized_linears found them
         self.packed_for: Optional[str] = None
 
     def dequantize(self) -> Tensor:
@@ -169,9 +169,8 @@ class Int4Linear(nn.Module):
         """The value at q = 8 of each group, as torch's int4 kernels take it."""
         if self.minimums is None:
             return self.zeros
-        if self.file_zeros is None:  # built by hand, not loaded by use_quantized_linears
-            return 8 * self.scales.float() + self.minimums.float()
-        return self.file_zeros.to(self.scales.device)
+        scales, minimums = self.file_values or (self.scales, self.minimums)
+        return (8 * scales.float() + minimums.float()).to(self.scales.device)
 
     def pack(self):
         device = self.weight.device.type
@@ -182,7 +181,7 @@ class Int4Linear(nn.Module):
             # minimum) is added with one rounding, as the kernel (llama.cpp) does.
             self.weight = frozen(self.dequantize())
             del self.scales, self.zeros, self.minimums
-            self.file_zeros, self.packed_for = None, "cpu, dequantized"
+            self.file_values, self.packed_for = None, "cpu, dequantized"
             return
         convert, _ = int4_kernel(device)
         if device == "cuda" and torch.cuda.get_device_capability(self.weight.device) < (8, 0):
@@ -199,8 +198,7 @@ class Int4Linear(nn.Module):
                                        .contiguous())
         self.weight = frozen(packed)
         del self.scales, self.zeros, self.minimums
-        self.file_zeros = None
-        self.packed_for = device
+        self.file_values, self.packed_for = None, device
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed_for == "cpu, dequantized" and x.device.type == "cpu":
@@ -280,8 +278,7 @@ def use_quantized_linears(module: nn.Module, state_dict: dict):
                                   f"256 of its {linear.in_features} input channels (a damaged file?)")
             minimums = state_dict.get(f"{name}.minimums")
             new = Int4Linear(linear.in_features, linear.out_features, groupsize, bias, minimums is not None)
-            if minimums is not None:
-                new.file_zeros = 8 * scales.float() + minimums.float()
+            new.file_values = (scales, minimums) if minimums is not None else None
         else:
             new = Int8Linear(linear.in_features, linear.out_features, bias)
         parent, _, child = name.rpartition(".")
