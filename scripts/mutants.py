@@ -99,8 +99,8 @@ MUTANTS = [
       "pos = ctx_len[..., None] + torch.arange(tokens.shape[-1], device=ctx_len.device)\n        causal",
       "pos = ctx_len[..., None] + 1 + torch.arange(tokens.shape[-1], device=ctx_len.device)\n        causal"),
     M("positions: a reused prefix's continuation restarts at 0", "decode.py",
-      "input_pos = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)",
-      "input_pos = torch.arange(tokens.shape[1], device=tokens.device)"),
+      "input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)",
+      "input_pos = torch.arange(s, e, device=tokens.device)"),
     # compaction
     M("compaction: source and destination swapped", "decode.py",
       "target.compact_kv(start + path, start + steps)", "target.compact_kv(start + steps, start + path)"),
@@ -162,7 +162,7 @@ MUTANTS = [
     M("catch-up: the token before start_pos not re-run in a later turn", "decode.py",
       "first = max(start_pos - 1, 0) if draft else start_pos", "first = start_pos"),
     M("catch-up: the prompt's last pair skipped", "decode.py",
-      "torch.tensor(len(pairs) - 1, device=device))", "torch.tensor(max(len(pairs) - 2, 0), device=device))"),
+      "torch.tensor(e - s - 1, device=features.device))", "torch.tensor(max(e - s - 2, 0), device=features.device))"),
     # EAGLE-3 features and d2t
     M("eagle3: feature layer ids read as layer inputs", "head_formats.py",
       "layers = tuple(k + 1 for k in ids) if ids", "layers = tuple(k for k in ids) if ids"),
