@@ -106,7 +106,8 @@ def model_flags(p):
                    help="with --draft_window, the first positions the head always sees (attention sinks)")
     p.add_argument("--step_aside", choices=["on", "off"], default="on",
                    help="on (default): where a cycle costs more than the tokens it gives (timed as it decodes), "
-                        "decode with plain steps and try the head again every so many tokens; the output is the same")
+                        "decode with plain steps and try the head again every so many tokens; the output is the same. "
+                        "Greedy decoding in one process only (a seeded sample would depend on the clock)")
     p.add_argument("--prefill_chunk", type=int_flag(1), default=None,
                    help="prompt tokens per prefill forward (default: 512, measured best on a CPU): the memory for "
                         "activations and masks grows with it, not with the prompt")
@@ -292,6 +293,12 @@ def grammar_flag(args) -> Optional[str]:
     if not isinstance(schema, dict):
         raise EagletError(f"--json_schema {args.json_schema}: a schema is a JSON object")
     return grammar_of("json_schema", json.dumps(schema))
+
+
+def stepping_aside_on(args, draft: Optional[DraftHead], sampling: SamplingConfig, group) -> bool:
+    """--step_aside on, with a head, where it cannot change the output: greedy (sampled, a seed's sample would depend
+    on where the clock said to step aside), one process (tensor parallel ranks would time, and decide, apart)."""
+    return draft is not None and args.step_aside == "on" and sampling.temperature == 0 and group is None
 
 
 def stepping_aside(gen, plain_fn):
@@ -604,7 +611,7 @@ def main(argv=None):
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
                       step_fn=step_fn, prefill_chunk=args.prefill_chunk)
-        if draft is not None and args.step_aside == "on":  # each generation times its own cycles and steps
+        if stepping_aside_on(args, draft, sampling, group):  # each generation times its own cycles and steps
             plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
             gen = stepping_aside(gen, plain_fn)
         if getattr(args, "grammar", None):  # a fresh grammar state for every generation (warm-up and samples)

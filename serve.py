@@ -197,7 +197,8 @@ class Engine:
     def stepping_aside(self, args):
         """--step_aside on with a head: plain steps wherever a cycle costs more than the tokens it gives, judged by one
         StepAside for the engine's life (its estimates carry from request to request); its compiled plain step warmed
-        up first, and no compile time taken for a cost."""
+        up first, and no compile time taken for a cost. Not for a sampled request with a seed: where the clock said to
+        step aside would change which sample the seed gives."""
         if self.draft is None or args.step_aside != "on":
             return
         if args.compile:
@@ -330,8 +331,8 @@ class Engine:
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
-                          constraint=job.constraint, scores=job.scores, step_aside=self.step_aside,
-                          plain_fn=self.plain_fn)
+                          constraint=job.constraint, scores=job.scores, plain_fn=self.plain_fn,
+                          step_aside=self.step_aside if job.sampling.temperature == 0 or job.seed is None else None)
         if not job.cancelled.is_set():
             self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)

@@ -160,7 +160,7 @@ def test_cli_several_prompts_equal_each_alone(tmp_path, capsys):
     caches sized as tightly as the flags allow; each equals its own run, stop strings included."""
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["for i in range(", "second turn"]}) + "\n\n")
-    argv = ["--max_new_tokens", "24", "--stop", ", "]
+    argv = ["--max_new_tokens", "24", "--stop", ", ", "--step_aside", "off"]  # alone, cycles throughout as in a batch
     out = cli_json(argv + ["--prompt", CODE[0], "--prompt", CODE[1], "--prompt", CODE[3], "--prompt_file",
                            str(questions), "--batch_size", "2"], tmp_path / "batch.json")
     printed = capsys.readouterr().out

@@ -49,8 +49,8 @@ def start_server(*flags) -> tuple:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--max_queue", "3")
-    yield url
+    proc, url = start_server("--max_queue", "3", "--step_aside", "off")  # cycles throughout (stepping aside:
+    yield url  # tests/test_step_aside.py)
     proc.terminate()
     assert proc.wait(timeout=30) in (0, -15)  # SIGTERM: uvicorn shuts down, then ends by the signal it caught
     host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -105,7 +105,7 @@ def test_compile_with_few_new_tokens(pair, tmp_path, monkeypatch):
             generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--prompt", "w1 w2", "--compile",
                            "--max_new_tokens", n, "--device", "cpu", "--json_out", str(out), *head])
             assert len(read_generation(out)["tokens"]) == int(n)
-    assert len(compiled) == 4
+    assert len(compiled) == 6  # the step, and with the head the cycle and the plain step it may step aside to
 
 
 def test_max_new_tokens_zero_returns_nothing(pair):
