@@ -48,6 +48,31 @@ class SamplingConfig:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise EagletError(f"logprobs must be -1 (none) or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def inputs(self, device) -> "SamplingInputs":
+        """These settings as the step and the cycle take them; made once a generation (a copy to the device)."""
+        settings = [self.temperature, self.top_p, float(min(self.top_k, 1 << 24))]  # k past any vocabulary: no filter
+        return SamplingInputs(self.greedy, torch.tensor(settings, dtype=torch.float32, device=device),
+                              MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1)
+
+
+@dataclass
+class SamplingInputs:
+    """A SamplingConfig as a compiled step or cycle reads it: temperature, top_p and top_k are one tensor, so every
+    setting runs the same graph (as constants, each distinct value would compile another, and past torch's recompile
+    limit a request would fail). Two things stay constants, for what they leave out of the graph: greedy (argmax, no
+    filter) and whether logprobs are asked for (token_scores of MAX_TOP_LOGPROBS alternatives, whatever the k: the
+    host reads the k asked for). So a step or cycle has four graphs at most, whatever the settings."""
+    greedy: bool
+    settings: Tensor  # [3] float32: temperature, top_p, top_k (0: no top-k filter)
+    logprobs: int = -1  # MAX_TOP_LOGPROBS with logprobs, or -1
+
+    def inputs(self, device) -> "SamplingInputs":
+        return self
+
 
 @dataclass
 class GenerationResult:
@@ -146,23 +171,25 @@ class StepAside:
         return True
 
 
-def logits_to_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
-    """The target distribution under temperature, top-k and top-p; the one place sampling is defined."""
+def logits_to_probs(logits: Tensor, sampling) -> Tensor:
+    """The target distribution under temperature, top-k and top-p; the one place sampling is defined. sampling: a
+    SamplingConfig or its SamplingInputs; the settings are read as tensors either way (no shape depends on them)."""
+    temperature, top_p, top_k = sampling.inputs(logits.device).settings.unbind()
     logits = logits.float()
     # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
     # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.
-    temperature = max(sampling.temperature, torch.finfo(torch.float32).tiny)
+    temperature = temperature.clamp(min=torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if sampling.top_k:
-        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p  # keeps the token crossing top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    # One sort serves both filters: top-k keeps the tokens at least as likely as the k-th (ties kept), top-p those
+    # whose more likely tokens hold less than top_p (so the token crossing top_p is kept).
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
+    kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
+    drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
+    probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0))
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample_from_probs(probs: Tensor) -> Tensor:
@@ -170,26 +197,32 @@ def sample_from_probs(probs: Tensor) -> Tensor:
     return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
 
 
-def sample(logits: Tensor, sampling: SamplingConfig) -> Tensor:
-    if sampling.temperature == 0:
+def sample(logits: Tensor, sampling) -> Tensor:
+    """A token from logits [..., V] under a SamplingConfig or its SamplingInputs."""
+    if sampling.greedy:
         return logits.argmax(dim=-1)
     return sample_from_probs(logits_to_probs(logits, sampling))
 
 
 def token_scores(logits: Tensor, tokens: Tensor, k: int) -> Tensor:
     """What logprobs report, from the logits [..., V] that predicted tokens [...]: [..., 1 + 2k] floats, the token's
-    log-probability, then the k likeliest tokens' log-probabilities and their ids (exact as floats: ids < 2^24).
-    The distribution is the target's own, before temperature, top-k and top-p (what a plain forward gives)."""
+    log-probability, then the k likeliest tokens' log-probabilities and their ids (exact as floats: ids < 2^24;
+    past a vocabulary smaller than k, -inf and 0). The distribution is the target's own, before temperature, top-k
+    and top-p (what a plain forward gives)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    top = logp.topk(k, dim=-1)
-    return torch.cat([logp.gather(-1, tokens[..., None]), top.values, top.indices.float()], dim=-1)
+    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    pad = (0, k - top.values.shape[-1])
+    values = torch.nn.functional.pad(top.values, pad, value=float("-inf"))
+    ids = torch.nn.functional.pad(top.indices, pad)
+    return torch.cat([logp.gather(-1, tokens[..., None]), values, ids.float()], dim=-1)
 
 
 def read_scores(values: list, k: int) -> list:
-    """token_scores' rows, read back, as [(logprob, [(id, logprob)] * k)]."""
-    width = 1 + 2 * k
-    rows = [values[i:i + width] for i in range(0, len(values), width)]
-    return [(row[0], [(int(i), p) for i, p in zip(row[1 + k:], row[1:1 + k])]) for row in rows]
+    """Rows of token_scores' MAX_TOP_LOGPROBS alternatives (what SamplingInputs asks for), read back, as
+    [(logprob, [(id, logprob)] * k)]: the k likeliest."""
+    n = MAX_TOP_LOGPROBS
+    rows = [values[i:i + 1 + 2 * n] for i in range(0, len(values), 1 + 2 * n)]
+    return [(row[0], [(int(i), p) for i, p in zip(row[1 + n:1 + n + k], row[1:1 + k])]) for row in rows]
 
 
 # Tokens a prefill forward takes at once (--prefill_chunk): a prompt is written in chunks, each attending to the
@@ -232,11 +265,10 @@ def check_chunk(chunk):
         raise EagletError(f"the prefill chunk must be a positive whole number of tokens, got {chunk!r}")
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
-                     filled: int = 0):
-    """token [1, 1] at input_pos [1] -> the next token [1]. Shapes fixed: compiled once, replayed.
-    Eager and compiled CPU callers pass filled (input_pos + 1, known on the host): only those cache slots
-    are read (compile_step)."""
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling, filled: int = 0):
+    """token [1, 1] at input_pos [1] -> the next token [1] (and its token_scores, with sampling.logprobs >= 0).
+    Shapes fixed: compiled once, replayed. Eager and compiled CPU callers pass filled
+    (input_pos + 1, known on the host): only those cache slots are read (compile_step)."""
     logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
     token = sample(logits[:, -1], sampling)
     token = token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
@@ -265,31 +297,35 @@ def compile_step(step_fn: Callable, device: str):
 class CapturedGraphs:
     """A compiled step or cycle replayed as a torch.cuda.CUDAGraph, one per distinct call: per call only the input
     tensors are copied into the graph's own and the graph is replayed (no guards, no input checks). A call is told
-    apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree, the sampling).
+    apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree; of the sampling,
+    whether it is greedy and scores tokens: a SamplingInputs' settings are copied in as tensors are).
     The outputs live in the graph's memory, overwritten by the next replay: callers clone them (plain_call,
     cycle_call, generate_batch do). Capturing runs the call three times first on a side stream (as CUDA graph
     capture needs); a step or a cycle run again from the same state writes only past the context it starts from,
     so that is harmless -- but when sampling, those runs draw random numbers: a seeded first generation differs
-    from a later one with the same seed. Every distinct sampling setting captures (and keeps) a graph of its own."""
+    from a later one with the same seed."""
 
     def __init__(self, compiled: Callable):
         self.compiled, self.graphs, self.pool = compiled, {}, None
 
     def __call__(self, *args):
-        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else
-                    repr(a) if isinstance(a, (SamplingConfig, TreeConfig)) else id(a) for a in args)
+        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else (a.greedy, a.logprobs)
+                    if isinstance(a, SamplingInputs) else repr(a) if isinstance(a, (SamplingConfig, TreeConfig))
+                    else id(a) for a in args)
         if key not in self.graphs:
             self.graphs[key] = self.capture(args)
         inputs, graph, outputs = self.graphs[key]
         for static, a in zip(inputs, args):
             if static is not None:
-                static.copy_(a)
+                static.copy_(a.settings if isinstance(a, SamplingInputs) else a)
         graph.replay()
         return outputs
 
     def capture(self, args):
-        inputs = [a.clone() if isinstance(a, Tensor) else None for a in args]
-        call_args = [a if static is None else static for static, a in zip(inputs, args)]
+        inputs = [a.clone() if isinstance(a, Tensor) else a.settings.clone() if isinstance(a, SamplingInputs) else None
+                  for a in args]
+        call_args = [a if static is None else SamplingInputs(a.greedy, static, a.logprobs)
+                     if isinstance(a, SamplingInputs) else static for static, a in zip(inputs, args)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -317,7 +353,7 @@ def device_sync(device):
         torch.cuda.synchronize(device)
 
 
-def accept(tree: DraftTree, logits: Tensor, sampling: SamplingConfig, levels: int):
+def accept(tree: DraftTree, logits: Tensor, sampling, levels: int):
     """The longest path of the tree the target agrees with, and the bonus token after it.
 
     At every node the target picks its own next token: argmax (greedy), or one draw from its processed
@@ -353,8 +389,7 @@ def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
     return logits.view(*tree.tokens.shape, -1), features.view(*tree.tokens.shape, -1)
 
 
-def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling: SamplingConfig,
-           levels: int):
+def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling, levels: int):
     """Phase 3: acceptance, and the accepted path's K/V moved in place to the slots after the context.
     Returns the emitted tokens (padded to levels), accepted drafts, the bonus token and the path."""
     path, n_accepted, bonus = accept(tree, logits, sampling, levels)
@@ -374,13 +409,14 @@ def catch_up(target: Transformer, draft: DraftHead, emitted: Tensor, features: T
 
 
 def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_len: Tensor, h_last: Tensor,
-                      tree_config: TreeConfig, sampling: SamplingConfig):
+                      tree_config: TreeConfig, sampling):
     """One EAGLE-2 cycle with fixed shapes: expand, verify, commit, catch up.
 
     On entry the target's cache holds ctx_len tokens, root is the next token (not yet in the cache) and
     h_last the draft's output for its last pair (f_{ctx_len-1}, root). Returns the emitted tokens (padded
     to tree_config.levels), how many drafts were accepted (tokens emitted = that + 1), and the next root, ctx_len
-    and h_last. Nothing here reads a value back to the host.
+    and h_last; then, with sampling.logprobs >= 0, the emitted tokens' token_scores.
+    Nothing here reads a value back to the host.
     """
     tree = tree_config.expand(target, draft, root, ctx_len, h_last)
     logits, features = verify(target, tree, ctx_len)
@@ -466,22 +502,23 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     scores = None if sampling.logprobs < 0 else [] if scores is None else scores
     scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
     if scores is not None:
-        scores += read_scores(token_scores(logits[0], token, sampling.logprobs).tolist(), sampling.logprobs)
+        scores += read_scores(token_scores(logits[0], token, MAX_TOP_LOGPROBS).tolist(), sampling.logprobs)
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
     done = emit([token.item()])
     first_token_seconds = time.perf_counter() - t0
     plain_tokens = 0
     if not done:
         ctx_len = torch.tensor(len(prompt_tokens), device=device)
+        inputs = sampling.inputs(device)  # tensors, not constants: every setting shares the compiled step's graph
         if draft is None:
-            call, state, widest = partial(plain_call, model, sampling, step_fn), (token, ctx_len), 1
+            call, state, widest = partial(plain_call, model, inputs, step_fn), (token, ctx_len), 1
         else:
             h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
-            call, state = partial(cycle_call, model, draft, tree, sampling, step_fn), (token, ctx_len, h_last)
+            call, state = partial(cycle_call, model, draft, tree, inputs, step_fn), (token, ctx_len, h_last)
             widest = tree.levels
         ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
         if draft is not None and step_aside is not None:
-            plain = partial(plain_call, model, sampling, plain_fn)
+            plain = partial(plain_call, model, inputs, plain_fn)
             plain_before = step_aside.plain_tokens
             run_stepping_aside(step_aside, call, plain, state, prompt_tokens, tokens, emit, max_new_tokens, widest,
                                ahead, accept_lengths, scores, sampling.logprobs, partial(catch_up_plain, model, draft,
@@ -585,7 +622,7 @@ def catch_up_plain(target: Transformer, draft: DraftHead, context: list, first: 
     return draft_start(target, draft, context, first, features, root, chunk or PREFILL_CHUNK)
 
 
-def plain_call(model, sampling, step_fn, state, filled: int):
+def plain_call(model, sampling: SamplingInputs, step_fn, state, filled: int):
     """One plain step queued on the device: (what the host reads: [the token], the next state)."""
     token, ctx_len = state
     # attend over what is filled, but in a CUDA graph (fixed shapes: its BlockMask skips the unfilled blocks)
@@ -596,7 +633,7 @@ def plain_call(model, sampling, step_fn, state, filled: int):
     return read_back(token.view(1), scores), (token, ctx_len + 1)
 
 
-def cycle_call(model, draft, tree, sampling, step_fn, state, filled: int):
+def cycle_call(model, draft, tree, sampling: SamplingInputs, step_fn, state, filled: int):
     """One speculative cycle queued on the device: ([accepted drafts, emitted tokens...], the next state). The
     outputs are cloned: a CUDA-graph replay of the next cycle overwrites its static outputs."""
     out = [t.clone() for t in (step_fn or speculative_cycle)(model, draft, *state, tree, sampling)]
@@ -702,6 +739,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
                      on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
     new, ctx_len, next_ctx = [[t] for t in token.tolist()], lengths.clone(), lengths.clone()
     first_token_seconds = time.perf_counter() - t0
+    inputs = sampling.inputs(device)
     if draft is not None:
         step_fn = step_fn or speculative_cycle
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
@@ -724,12 +762,12 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
             n_live, live = done.count(False), torch.tensor([not d for d in done], device=device)
         ctx_len = torch.where(live, next_ctx, ctx_len)
         if draft is None:
-            token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], sampling).clone()
+            token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], inputs).clone()
             next_ctx = ctx_len + 1
             new = [[check_agreed(t)] for t in token.tolist()]
         else:
             emitted, n_accepted, token, next_ctx, h_last = [
-                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, sampling)]
+                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, inputs)]
             out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
             new = [o[1:check_agreed(o[0]) + 2] for o in out]
     return [GenerationResult(list(p), r, s, a, first_token_seconds)

@@ -183,8 +183,8 @@ class Engine:
             self.gen_batch = partial(generate.generate_batch, self.model, eos_ids=self.tokenizer.eos_ids,
                                      draft=self.draft, tree=self.tree,
                                      step_fn=compile_step(step, args.device) if args.compile else step)
-        if args.compile:
-            warm_up(lambda prompt, n: self.gen(prompt, n, GREEDY), self.tokenizer.encode("Hello"), 16)
+        if args.compile:  # every graph the step has (greedy or sampled, logprobs or not) before any request
+            warm_up(lambda prompt, n: [self.gen(prompt, n, s) for s in WARM_UP], self.tokenizer.encode("Hello"), 16)
 
     def grammar_tokenizer(self):
         """llguidance's view of the tokenizer (every token's bytes: about a second for 128k ids) built now, in the
@@ -203,8 +203,7 @@ class Engine:
             return
         if args.compile:
             self.plain_fn = compile_step(decode_one_token, args.device)
-            warm_up(lambda prompt, n: [self.gen(prompt, n, s, draft=None, step_fn=self.plain_fn)
-                                       for s in (GREEDY, SamplingConfig(temperature=1.0))],
+            warm_up(lambda prompt, n: [self.gen(prompt, n, s, draft=None, step_fn=self.plain_fn) for s in WARM_UP],
                     self.tokenizer.encode("Hello"), 16)
         self.step_aside = StepAside()
 
@@ -372,6 +371,7 @@ class Engine:
         return batch
 
 GREEDY = SamplingConfig()
+WARM_UP = [SamplingConfig(t, logprobs=k) for t in (0.0, 1.0) for k in (-1, 0)]
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):

@@ -172,3 +172,42 @@ def test_batched_rows_sample_the_target_distribution(pair):
         model.setup_caches(1, 64)
         draft.setup_caches(64)
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
+SETTINGS = [SamplingConfig(0.0), SamplingConfig(0.7), SamplingConfig(1.3, top_p=0.9), SamplingConfig(0.9, top_k=3),
+            SamplingConfig(1.1, top_p=0.8, top_k=5), SamplingConfig(0.5, logprobs=0), SamplingConfig(1.0, logprobs=3),
+            SamplingConfig(0.0, logprobs=5), SamplingConfig(2.0, top_k=1), SamplingConfig(0.6, top_p=0.5, logprobs=2),
+            SamplingConfig(1e-3), SamplingConfig(0.0, top_k=2, top_p=0.3)]  # a dozen requests, each its own
+
+
+@pytest.mark.slow
+def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compiling(pair):
+    """Temperature, top_p, top_k and logprobs' k are tensor inputs of the compiled step and cycle: after warming up
+    their graphs (greedy or sampled, logprobs or not: four each), a dozen requests with settings of their own compile
+    nothing and are all answered (greedy ones as eager decoding answers them); a new setting's draws follow the
+    target's law (chi-square)."""
+    from torch._dynamo.utils import counters
+    target_dir, model, draft = pair
+    torch._dynamo.reset()
+    steps = {"plain": ({}, decode.compile_step(decode.decode_one_token, "cpu")),
+             "EAGLE-2": ({"draft": draft, "tree": TREE}, decode.compile_step(decode.speculative_cycle, "cpu"))}
+    for kwargs, step in steps.values():
+        for warm in (SamplingConfig(), SamplingConfig(1.0), SamplingConfig(logprobs=0), SamplingConfig(1.0, logprobs=0)):
+            generate.generate(model, PROMPT, 8, warm, step_fn=step, **kwargs)
+    assert counters["stats"]["unique_graphs"] == 8
+    counters.clear()
+    for name, (kwargs, step) in steps.items():
+        for sampling in SETTINGS:
+            result = generate.generate(model, PROMPT, 8, sampling, step_fn=step, **kwargs)
+            assert len(result.tokens) == 8, (name, sampling)
+            assert [len(top) for _, top in result.logprobs] == [sampling.logprobs] * 8 * (sampling.logprobs >= 0)
+            if sampling.greedy:
+                assert result.tokens == generate.generate(model, PROMPT, 8, sampling, **kwargs).tokens
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    sampling, counts = SamplingConfig(temperature=0.8, top_p=0.9, top_k=5), Counter()
+    for i in range(STAT_SAMPLES):
+        torch.manual_seed(i)
+        counts[tuple(generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE,
+                                       step_fn=steps["EAGLE-2"][1]).tokens)] += 1
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+    assert counters["stats"]["unique_graphs"] == 0
