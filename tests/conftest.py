@@ -358,6 +358,17 @@ def run_cli(tmp_path, argv) -> dict:
     return read_generation(out)
 
 
+def sampling_pair(root: Path, vocab: int):
+    """test_sampling.py's converted target and head (a small vocabulary, a head that agrees part of the time), loaded:
+    (target folder, model, draft)."""
+    from convert_hf_checkpoint import convert
+    from generate import load_draft, load_target
+    target, head, _ = make_agreeing_pair(root, vocab=vocab, hidden=16, alpha=2.5, layer_scale=20.0, lm_head_noise=1.0)
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
+    model = load_target(target / "model.pth", "cpu", "fp32", 64)
+    return target, model, load_draft(head / "draft.pth", model)
+
+
 @pytest.fixture(scope="session")
 def spec_pair(tmp_path_factory):
     """A converted target and a head that agrees with it on 70% of tokens, for the CLI's tests."""

@@ -130,13 +130,9 @@ def test_greedy_with_a_window_equals_plain(context_heads, kind):
 @pytest.mark.stat
 def test_sampling_with_a_window_follows_the_target_distribution(tmp_path):
     """The window covers one sink and one recent position of the 3-token prompt: the drafts change, the law does not."""
-    from conftest import make_agreeing_pair
+    from conftest import sampling_pair
     from test_sampling import TREE, VOCAB, check_sampled_sequences
-    target, head, _ = make_agreeing_pair(tmp_path, vocab=VOCAB, hidden=16, alpha=2.5, layer_scale=20.0,
-                                         lm_head_noise=1.0)
-    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
-    model = load_target(target / "model.pth", "cpu", "fp32", 64)
-    draft = load_draft(head / "draft.pth", model)
+    target, model, draft = sampling_pair(tmp_path, VOCAB)
     draft.set_window(1, 1)
     check_sampled_sequences(target, model, draft, TREE)
 

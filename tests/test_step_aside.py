@@ -82,13 +82,9 @@ def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair, monkeypat
 
 def test_a_gate_that_switches_every_call_keeps_the_sampled_law(tmp_path):
     """Cycles and plain steps alternating at every call (3 tokens): the sequences follow the target's law."""
-    from conftest import make_agreeing_pair
+    from conftest import sampling_pair
     from test_sampling import PROMPT, N_TOKENS, TREE as SMALL_TREE, VOCAB, chi_square_p_below, exact_distribution
-    target, head, _ = make_agreeing_pair(tmp_path, vocab=VOCAB, hidden=16, alpha=2.5, layer_scale=20.0,
-                                         lm_head_noise=1.0)
-    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
-    model = load_target(target / "model.pth", "cpu", "fp32", 64)
-    draft = load_draft(head / "draft.pth", model)
+    target, model, draft = sampling_pair(tmp_path, VOCAB)
     sampling, counts, modes = SamplingConfig(temperature=1.0), Counter(), Counter()
     for i in range(STAT_SAMPLES):
         gate = fake_clock(cycle_seconds=50.0)
