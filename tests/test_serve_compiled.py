@@ -1,0 +1,71 @@
+"""serve.py --compile compiles before it answers and never while it answers: its warm-up compiles the cycle's
+graphs and the plain step's it steps aside to (greedy or sampled, logprobs or not), then a dozen requests, each with a temperature, top_p, top_k and logprobs of its own,
+compile nothing (torch's graph count, printed by the engine as it finishes each reply) and are all answered."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+
+# serve.py printing torch's count of compiled graphs after its warm-up and before each reply's last event
+LAUNCH = """
+import sys
+from torch._dynamo.utils import counters
+import serve
+stepping_aside, finish = serve.Engine.stepping_aside, serve.Engine.finish
+
+def counting_warm_up(self, args):  # the engine's last warm-up: its plain step's, for stepping aside
+    stepping_aside(self, args)
+    print(f"graphs after warm-up {counters['stats']['unique_graphs']}", flush=True)
+
+def counting_finish(self, job, *args):
+    print(f"graphs {counters['stats']['unique_graphs']}", flush=True)
+    finish(self, job, *args)
+
+serve.Engine.stepping_aside, serve.Engine.finish = counting_warm_up, counting_finish
+serve.main(sys.argv[1:])
+"""
+SETTINGS = [{"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.9, "top_k": 3},
+            {"temperature": 1.1, "top_p": 0.8, "top_k": 40}, {"temperature": 0.5, "logprobs": 0},
+            {"temperature": 1.0, "logprobs": 3}, {"temperature": 0, "logprobs": 5}, {"temperature": 2.0, "top_k": 1},
+            {"temperature": 0.6, "top_p": 0.5, "logprobs": 2}, {"temperature": 0.001}, {"temperature": 0.25, "seed": 7}]
+
+
+@pytest.mark.slow  # the cycle and the plain step compiled four times each on a CPU
+def test_a_compiled_server_compiles_nothing_for_new_sampling_settings():
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--port", "0", "--compile"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("eaglet serving"):
+                url = line.split(" at ")[1].split()[0]
+                break
+        else:
+            raise AssertionError(f"serve.py ended: {proc.wait()}: {''.join(lines[-20:])}")
+        warm = int(next(l for l in lines if l.startswith("graphs after warm-up")).split()[-1])
+        assert warm == 8  # the cycle's and the plain step's: greedy or sampled, logprobs or not
+        for settings in SETTINGS:
+            reply = httpx.post(url + "/v1/completions", json={"prompt": "def read_lines(path):\n", "max_tokens": 24,
+                                                              **settings}, timeout=300)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            assert reply.json()["usage"]["completion_tokens"] > 0 and choice["finish_reason"] in ("length", "stop")
+            if "logprobs" in settings:  # k alternatives, and the sampled token among them (OpenAI's rule)
+                k, tops = settings["logprobs"], choice["logprobs"]["top_logprobs"]
+                assert tops and all(max(k, 1) <= len(top) <= k + 1 for top in tops), tops
+            line = ""
+            while not line.startswith("graphs "):
+                line = proc.stdout.readline()
+                assert line, "serve.py ended"
+            assert int(line.split()[-1]) == warm, (settings, line)
+    finally:
+        proc.kill()
+        proc.wait()
