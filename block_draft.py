@@ -17,7 +17,7 @@ before it, resolved by a fixed number of parallel (Jacobi) passes over the whole
 Each gives the lattice in draft_tree.py its rows: draft_rows() (the block's draft rows from one pass, and their
 logits), next_logits() (a row's logits after a given token) and cut() (drafts to leave unverified).
 
-Imports draft.py (DraftHead, Eagle3Draft), model.py and attention.py; head_formats.py builds these from the
+Imports draft.py (DraftHead, Eagle3Draft) and model.py; head_formats.py builds these from the
 published layouts, and the cycle reaches them only through DraftHead's methods.
 """
 from typing import Optional

@@ -16,7 +16,7 @@ Heads give building blocks, not trees: an EAGLE head step() (one draft pass over
 and topk() (its k best next tokens: log-probabilities and target ids); a block drafter (DFlash, DSpark: block_size
 set) draft_rows(), its block's draft rows from ONE pass, and next_logits(), a row's logits after a given token.
 
-Imports attention.py and model.py; draft.py and decode.py import this file. (Not named tree.py: torch.compile
+Imports model.py; draft.py and decode.py import this file. (Not named tree.py: torch.compile
 skips a module of that name, taking it for the dm-tree package, and the cycle would not compile.)
 """
 from dataclasses import dataclass
