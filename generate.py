@@ -379,12 +379,12 @@ def why_no_draft_vocab(draft: DraftHead) -> str:
 def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,
            tree: Optional[TreeConfig] = None):
     """Tokens/s, the weights read per second as they are read (plain: the target per token; speculative:
-    the target per cycle and the draft per draft pass; the prefill once), peak memory, and tau."""
+    the target per cycle and per plain step, the draft per draft pass; the prefill once), peak memory, and tau."""
     cycles = len(result.accept_lengths)
     if draft is None:
         n_bytes = len(result.tokens) * weight_bytes(model)
-    else:
-        n_bytes = weight_bytes(model) + cycles * cycle_weight_bytes(model, draft, tree)
+    else:  # the prefill, the cycles and the plain steps taken where speculation stepped aside
+        n_bytes = (1 + result.plain_tokens) * weight_bytes(model) + cycles * cycle_weight_bytes(model, draft, tree)
     per_rank = " per rank (rank 0's shard)" if model.tp_group is not None else ""
     print(f"\n{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s, "
           f"weights read {n_bytes / max(result.seconds, 1e-9) / 1e9:.2f} GB/s{per_rank}, "

@@ -97,7 +97,7 @@ def test_tensor_parallel_equals_one_process(targets, tmp_path):
 @pytest.mark.slow
 def test_cli_under_torchrun_prints_and_writes_once(tmp_path, capsys):
     import generate
-    argv = ["generate.py", "--max_new_tokens", "30", "--json_out"]
+    argv = ["generate.py", "--max_new_tokens", "30", "--step_aside", "off", "--json_out"]  # cycles alone, as sharded
     run = torchrun(2, argv + [str(tmp_path / "tp.json")])
     assert run.returncode == 0, run.stderr[-3000:]
     generate.main(argv[1:] + [str(tmp_path / "one.json")])
@@ -207,7 +207,7 @@ def test_int4_slices_must_hold_whole_groups():
 def test_compiled_cycle_under_torchrun_equals_one_process(tmp_path):
     """The whole cycle as one compiled graph per rank, its all-reduces inside it (fullgraph)."""
     import generate
-    argv = ["--max_new_tokens", "20", "--json_out"]
+    argv = ["--max_new_tokens", "20", "--step_aside", "off", "--json_out"]  # cycles alone, as sharded
     run = torchrun(2, ["generate.py", "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     generate.main(argv + [str(tmp_path / "one.json")])
