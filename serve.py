@@ -992,6 +992,8 @@ def main(argv=None):
     # timeout_graceful_shutdown: a connection still open once the replies are done or cancelled gets 1 s more
     server = DrainingUvicorn(uvicorn.Config(api.app, log_level="warning", timeout_graceful_shutdown=1), api,
                              args.shutdown_grace)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the ready line: a signal right after it is a drain too
+        signal.signal(sig, server.handle_exit)
     print(f"eaglet serving {engine.name} at http://{host}:{port} (OpenAI API under /v1, a chat page at /)", flush=True)
     server.run(sockets=[sock])  # returns after the first SIGTERM / SIGINT, within the bound above
     sys.stdout.flush()
