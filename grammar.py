@@ -21,6 +21,7 @@ from torch import Tensor
 
 from checkpoint import EagletError
 from decode import SamplingConfig, logits_to_probs, sample, sample_from_probs
+from reasoning import ANSWERING, MAY_THINK, THINK_END, THINK_START, THINKING
 from tokenizer import Tokenizer
 
 
@@ -206,3 +207,56 @@ def response_format_grammar(response_format) -> Optional[str]:
         raise EagletError('response_format json_schema needs a "name"')
     schema = spec.get("schema", {})
     return grammar_of("json_schema", json.dumps(schema), strict=spec.get("strict") is True)
+
+
+
+def after_thinking(tokenizer: Tokenizer, n_vocab: int, grammar: str, start: str) -> str:
+    """grammar (grammar_of's, or any llguidance grammar) started where the reply's thinking ends, for a reply that
+    begins at start (reasoning.reply_start): THINKING -> any text up to </think>, whitespace, then grammar;
+    MAY_THINK -> either <think>, any text up to </think> and whitespace, or nothing, then grammar; ANSWERING ->
+    grammar. The thinking ends at its first </think>, where reasoning.split ends it, so the content split from a
+    reply is a sentence of grammar (less any whitespace grammar itself begins with: the split strips it)."""
+    if start not in (THINKING, MAY_THINK, ANSWERING):
+        raise ValueError(f"unknown reply start {start!r}")
+    if start == ANSWERING:
+        return grammar
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        top = None
+    if not isinstance(top, dict) or "grammars" not in top:  # grammar_from_lark's form: the Lark text itself
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    answer = {**top["grammars"][0]}
+    answer["name"] = answer.get("name") or "answer"
+    thinking = {"name": "thinking_first", "lark_grammar": thinking_lark(tokenizer, n_vocab, start, answer["name"])}
+    return json.dumps({**top, "grammars": [thinking, answer] + top["grammars"][1:]})
+
+
+def thinking_lark(tokenizer: Tokenizer, n_vocab: int, start: str, answer: str) -> str:
+    """The Lark grammar of a reply's thinking, then the grammar named answer (llguidance's @answer: a nested grammar,
+    with lexemes of its own). The thinking as text is a lazy lexeme, which ends at the first </think> it holds; where
+    </think> is a token of its own (tag_token), it is any text without a </think> in it, a greedy lexeme that ends
+    where a token that is no text comes, then that token."""
+    opening, end = tag_token(tokenizer, n_vocab, THINK_START), tag_token(tokenizer, n_vocab, THINK_END)
+    tag = THINK_END.replace("/", "\\/")  # as a /regex/ holds it
+    lines = ["start: thought WS? @" + answer if start == THINKING else
+             f"start: ({json.dumps(THINK_START) if opening is None else f'<[{opening}]>'} thought WS?)? @{answer}"]
+    if end is None:
+        lines += [f"thought[lazy]: /(?s:.*){tag}/"]
+    else:
+        lines += [f"thought: THOUGHT <[{end}]>", f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){tag}(?s:.*)/"]
+    return "\n".join(lines + ["WS: /[ \\t\\r\\n]+/"]) + "\n"  # reasoning.WHITESPACE
+
+
+def tag_token(tokenizer: Tokenizer, n_vocab: int, tag: str) -> Optional[int]:
+    """The id of the tag's own token where llguidance holds it apart from text, else None.
+    Qwen3's <think> and </think> are added tokens that are not special (they decode to their text), but llguidance
+    treats its added tokens as special: their bytes are not text to it, so a text literal would refuse the token the
+    model writes. The <[id]> form matches that token, and the thinking's text then refuses a </think> spelled in
+    pieces, so the text splits where the grammar moved on. A tag that is an ordinary token, or several (a
+    sentencepiece vocabulary), is text. (A tag special in the tokenizer itself, which decoding drops, must be decoded
+    kept for reasoning.split to find it.)"""
+    token = tokenizer.token_id(tag)
+    if token is None or not 0 <= token < n_vocab:
+        return None
+    return token if grammar_tokenizer(tokenizer, n_vocab).is_special_token(token) else None
