@@ -386,7 +386,7 @@ MUTANTS = [
       "    merges.sort(reverse=True)\n"),
     M("checkpoint folder: of two checkpoints, the first taken instead of both refused", "checkpoint.py",
       "        if len(found) == 1:\n", "        if found:\n"),
-    M("serve: a stream's held-back text never sent (the last chunk dropped)", "serve.py",
+    M("serve: a stream's held-back text never sent (the last chunk dropped)", "serve_engine.py",
       "        streamer.flush()\n        if state", "        if state"),
     M("serve: a stop string ends the generation one token late", "chat.py",
       "                    self.flush()\n                    return keep",
@@ -394,7 +394,7 @@ MUTANTS = [
     M("serve: a full queue drops the oldest waiting request", "serve.py",
       "            self.engine.jobs.put_nowait(job)\n", "            self.engine.jobs.put_nowait(job)\n"
       "        except queue.Full:\n            self.engine.jobs.get_nowait()\n            self.engine.jobs.put_nowait(job)\n"),
-    M("serve: prefix reuse counts the last token as cached, though it never was fed back", "serve.py",
+    M("serve: prefix reuse counts the last token as cached, though it never was fed back", "serve_engine.py",
       "self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]",
       "self.cached = job.prompt + result.tokens"),
     M("structured output: a reply ending in a forced run says only its last token is not cached", "decode.py",

@@ -476,7 +476,7 @@ def test_prompt_lists_and_n_choices(client, reference):
 
 
 def test_text_offsets_count_a_character_split_over_tokens_once():
-    from serve import completion_logprobs
+    from openai_replies import completion_logprobs
     entries = [{"token": t, "bytes": list(b), "logprob": -1.0, "top_logprobs": []}
                for t, b in [("a", b"a"), ("\ufffd", b"\xc3"), ("\ufffd", b"\xa9"), ("b", b"b")]]
     shaped, seen = completion_logprobs(entries)
@@ -551,7 +551,7 @@ def test_completion_logprobs_keep_the_sampled_token_and_name_each_alternative(cl
 
 
 def test_completion_logprobs_names():
-    from serve import completion_logprobs
+    from openai_replies import completion_logprobs
     entry = {"token": "\ufffd", "bytes": [0xe2, 0x80], "logprob": -1.0, "top_logprobs": [
         {"token": "\ufffd", "bytes": [0xe2, 0x81], "logprob": -0.5}, {"token": "A", "bytes": [65], "logprob": -2.0},
         {"token": "A", "bytes": [65], "logprob": -3.0},  # a byte token (<0x41>) beside the piece "A"

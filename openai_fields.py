@@ -1,0 +1,153 @@
+"""OpenAI's request fields, each checked on its own: sampling, logprobs, stop strings, the conversation. A wrong one is
+an ApiError -- the HTTP status and OpenAI's error JSON naming the field; a field that would change the reply and that
+eaglet does not do is refused, never silently ignored.
+"""
+import json
+import math
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+
+from decode import MAX_TOP_LOGPROBS, SamplingConfig
+
+MAX_CHOICES = 16  # prompts x n of one request
+# Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
+# with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
+REFUSED = {"functions": None, "function_call": None, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {},
+           "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
+           "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
+           "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+           "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
+           "prompt_logprobs": None, "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
+           "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
+           "repeat_penalty": 1, "typical_p": 1, "tfs_z": 1, "mirostat": 0, "n_probs": 0}
+# structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex,
+# llama.cpp's json_schema)
+GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "guided_regex", "grammar",
+                  "guided_grammar", "guided_choice")
+TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
+READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+        "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", *GRAMMAR_FIELDS, *TEMPLATE_HINTS}
+# defined by OpenAI or another server, and the reply is the same with them: accepted without a word
+NO_EFFECT = {"user", "store", "metadata", "service_tier", "prediction", "prompt_cache_key", "safety_identifier",
+             "request_id", "priority", "guided_decoding_backend"}
+
+
+class ApiError(Exception):
+    """A request the server refuses: OpenAI's error JSON with this status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self, headers=None) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 503: "server_overloaded"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
+    """body[name] (or default) as a finite number in [low, high]; an integer where integer."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:60]}", name)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ApiError(400, f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def harmless(name: str, value) -> bool:
+    """value asks for nothing this server would leave undone: equal to the harmless value AND of its kind (in
+    Python 0 == False and True == 1, so use_beam_search 1 or best_of true would pass as off); 0 and 0.0 alike."""
+    default = REFUSED[name]
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+    return default is not None and type(value) is type(default) and value == default
+
+
+def logprobs_of(body: dict, chat: bool) -> int:
+    """How many alternatives logprobs report per token, -1 for none: chat's logprobs (true / false) and top_logprobs,
+    or a completion's logprobs (a count)."""
+    if not chat:
+        count = number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        return -1 if count is None else count
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"logprobs must be true or false, got {json.dumps(wanted)[:40]}", "logprobs")
+    top = number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else -1
+
+
+def sampling_of(body: dict, chat: bool = True) -> tuple:
+    """(SamplingConfig, seed, stop strings) from a request's fields."""
+    for name in REFUSED:
+        if body.get(name) is not None and not harmless(name, body[name]):
+            hint = " (give tools)" if name.startswith("function") else ""
+            raise ApiError(400, f"this server cannot honour {name} {json.dumps(body[name])[:60]}{hint}", name,
+                           "unsupported_parameter")
+    temperature = number(body, "temperature", 1.0, 0, 100)
+    top_p = number(body, "top_p", 1.0, 0, 1)
+    if top_p == 0:
+        raise ApiError(400, "top_p must be above 0", "top_p")
+    top_k = number(body, "top_k", 0, 0, 1 << 31, integer=True)
+    seed = number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+    return SamplingConfig(temperature, top_p, top_k, logprobs_of(body, chat)), seed, stop
+
+
+def messages_of(body: dict) -> list:
+    """The conversation as the chat template reads it: text content; an assistant's tool_calls with their
+    arguments as objects (as templates expect them); a tool's result with the id of the call it answers."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", "messages")
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got "
+                                f"{json.dumps(role)[:40]}", "messages")
+        if isinstance(content, list):  # parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant" and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+            message |= {"tool_call_id": m["tool_call_id"]} | ({"name": m["name"]} if isinstance(m.get("name"), str) else {})
+        if role == "assistant" and calls is not None:
+            message["tool_calls"] = [call_of(i, call) for call in (calls if isinstance(calls, list) else [None])]
+        out.append(message)
+    return out
+
+
+def call_of(i: int, call) -> dict:
+    """An assistant message's tool call, its arguments (OpenAI sends JSON text) parsed into an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
+                            '{"name", "arguments": a JSON object as text}}', "messages")
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}

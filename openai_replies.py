@@ -1,0 +1,134 @@
+"""The engine's results as OpenAI's replies: a whole chat.completion / text_completion object, or a stream's chunks
+(one per cycle, with what eaglet adds under "eaglet": the range its drafts made); tool calls read from the text,
+logprobs in the chat and the completions shapes, usage.
+"""
+import json
+
+from serve_engine import Job
+from tool_calls import parse_calls, streamable
+
+
+class StreamReply:
+    """The chunks of one streamed request (its choices interleaved, each chunk naming its choice's index)."""
+
+    def __init__(self, jobs: list, head: dict, chat: bool):
+        self.jobs, self.head, self.chat = jobs, head, chat
+        self.wants_logprobs, self.tool_form = jobs[0].sampling.logprobs >= 0, jobs[0].tool_form
+        self.started, self.offsets, self.texts, self.sent = set(), {}, {}, {}
+
+    def chunk(self, index: int, text, finish=None, extra=None, logprobs=None, calls=None) -> str:
+        choice = {"index": index, "finish_reason": finish}
+        if self.chat:  # the role in a choice's first chunk only, as OpenAI sends it
+            choice["delta"] = ({"role": "assistant"} if index not in self.started else {}) | (
+                {"content": text} if text is not None else {}) | (
+                {"tool_calls": [{"index": i} | call for i, call in enumerate(calls)]} if calls else {})
+            self.started.add(index)
+            choice["logprobs"] = {"content": logprobs} if self.wants_logprobs and logprobs is not None else None
+        else:
+            choice["text"] = text or ""
+            if self.wants_logprobs and logprobs is not None:
+                choice["logprobs"], self.offsets[index] = completion_logprobs(logprobs, self.offsets.get(index, b""))
+            else:
+                choice["logprobs"] = None
+        return f"data: {json.dumps({**self.head, 'choices': [choice], **(extra or {})})}\n\n"
+
+    def text(self, index: int, value: tuple) -> list:
+        """A cycle's text: its chunk (with tools, the content up to where a call starts or may; the rest at the end)."""
+        text, start, marks, logprobs = value  # marks: the reply's characters from accepted drafts, forced
+        if self.tool_form:
+            self.texts[index] = self.texts.get(index, "") + text
+            upto = max(self.sent.get(index, 0), streamable(self.texts[index], self.tool_form))
+            text, self.sent[index] = self.texts[index][self.sent.get(index, 0):upto], upto
+        if text or logprobs:
+            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks}, logprobs=logprobs)]
+        return []
+
+    def done(self, index: int, value: dict) -> list:
+        """A choice's last chunks: content held back, its tool calls, its finish_reason and eaglet's record."""
+        out, finish = [], value["finish_reason"]
+        if self.tool_form:
+            content, calls = calls_of(self.jobs[index], value["text"])
+            if (content or "")[self.sent.get(index, 0):]:
+                out.append(self.chunk(index, content[self.sent.get(index, 0):]))
+            if calls:
+                finish = "tool_calls"
+                out.append(self.chunk(index, None, calls=calls))
+        return out + [self.chunk(index, None if self.chat else "", finish, {"eaglet": value["eaglet"]})]
+
+    def usage(self, finished: dict) -> str:
+        return f"data: {json.dumps({**self.head, 'choices': [], 'usage': usage(self.jobs, finished)})}\n\n"
+
+
+def whole_reply(jobs: list, done: dict, head: dict, chat: bool) -> dict:
+    """The whole reply as one JSON object, its choices in order."""
+    choices = []
+    for index in sorted(done):
+        reply = done[index]
+        logprobs, finish = reply["logprobs"], reply["finish_reason"]
+        if chat:
+            message = {"role": "assistant", "content": reply["text"]}
+            text, calls = calls_of(jobs[index], reply["text"]) if jobs[index].tool_form else (None, [])
+            if calls:
+                message, finish = {"role": "assistant", "content": text, "tool_calls": calls}, "tool_calls"
+            content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
+        else:
+            content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)[0]}
+        choices.append({"index": index, **content, "finish_reason": finish})
+    stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": usage(jobs, done), "eaglet": stats}
+
+
+def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
+    """Chat logprobs entries in the completions' shape -- tokens, token_logprobs, top_logprobs and text_offset, each
+    token's first character in the text, counted over the bytes before it (before: the reply's bytes ahead of these
+    entries), so a character split over several tokens counts once -- and the bytes so far. top_logprobs maps each
+    alternative's name to its logprob, the sampled token always among them (OpenAI: up to logprobs + 1 entries)."""
+    starts = []
+    for e in entries:
+        starts.append(len(before.decode("utf-8", errors="ignore")))  # a character not yet whole: not counted yet
+        before += bytes(e["bytes"])
+    return {"tokens": [token_name(e["bytes"]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [top_by_name(e) for e in entries], "text_offset": starts}, before
+
+
+def token_name(raw: list, taken=()) -> str:
+    """A token as the completions' logprobs name it: its text; OpenAI's bytes:\\xe2\\x80 where its bytes are not
+    whole UTF-8 (part of a character), or where another token took the text (a byte token and a piece alike)."""
+    try:
+        text = bytes(raw).decode("utf-8")
+        if text not in taken:
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def top_by_name(entry: dict) -> dict:
+    """The alternatives of a token by name, most likely first: the sampled one named as in tokens, the others each
+    under a name of its own (decoding partial bytes alone, several read \\ufffd and would share one key)."""
+    sampled = token_name(entry["bytes"])
+    top = {sampled: entry["logprob"]}
+    for t in entry["top_logprobs"]:
+        if not (t["bytes"] == entry["bytes"] and t["logprob"] == entry["logprob"]):  # the sampled one: in already
+            top[token_name(t["bytes"], top)] = t["logprob"]
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
+
+
+def calls_of(job: Job, text: str) -> tuple:
+    """(content, OpenAI's tool_calls) of a reply; with parallel_tool_calls false, its first call only."""
+    content, calls = parse_calls(text, job.tool_form)
+    return content, calls[:1] if job.one_call else calls
+
+
+def usage(jobs: list, done: dict) -> dict:
+    """OpenAI's usage of a request: each distinct prompt once, every choice's completion."""
+    firsts = {}
+    for job in jobs:  # a prompt's first choice: the one that prefilled it (later ones may reuse its cache)
+        firsts.setdefault(id(job.prompt), job)
+    prompts = firsts.values()
+    prompt_tokens = sum(len(job.prompt) for job in prompts)
+    completion = sum(reply["usage"]["completion_tokens"] for reply in done.values())
+    cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

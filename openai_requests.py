@@ -1,0 +1,185 @@
+"""A chat or completions request as the Jobs the engine runs, one a choice: its prompts (through the chat template,
+with tools and chat_template_kwargs), the room each needs in the cache, and the grammar that constrains it
+(structured output, or a forced tool call), compiled by the caller off the event loop.
+"""
+import asyncio
+import copy
+import json
+from functools import partial
+from typing import Optional
+
+from checkpoint import EagletError
+from grammar import Constraint, grammar_of, response_format_grammar
+from openai_fields import (GRAMMAR_FIELDS, MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError,
+                           messages_of, number, sampling_of)
+from serve_engine import Engine, Job
+from tool_calls import call_format, call_grammar, chosen_functions, functions_of
+
+
+class Requests:
+    """Turns request bodies into Jobs for one engine; remembers which ignored fields it has warned about."""
+
+    def __init__(self, engine: Engine, model_ids: list):
+        self.engine, self.model_ids, self.warned = engine, model_ids, set()  # warned: (field, why) a log line named
+
+    def jobs(self, body: dict, chat: bool) -> tuple:
+        """The request as Jobs, one a choice: each prompt (a completion's prompt may be a list) n times, each checked
+        against the cache's room; whether to stream, and usage in the stream; and the call that compiles its grammar
+        (a Constraint, or None) for the caller to run off the event loop."""
+        model = body.get("model")
+        if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
+            raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
+                                f"{', '.join(self.model_ids)}", "model", "model_not_found")
+        sampling, seed, stop = sampling_of(body, chat)
+        self.warn_once([name for name in body if name not in READ | NO_EFFECT | REFUSED.keys()],
+                       "no OpenAI-compatible server eaglet knows defines it")
+        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", *TEMPLATE_HINTS)
+        self.warn_once([name for name in elsewhere if body.get(name) is not None],
+                       f"not read by /v1/{'chat/' if chat else ''}completions")
+        n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+        tools, tool_form, calls = self.tools_of(body, chat)
+        if body.get("parallel_tool_calls") not in (None, True, False):
+            raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+        prompts = [self.render(body, messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
+        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = number(body, limit, None, 1, 1 << 31, integer=True)
+        for prompt in prompts:
+            room = self.engine.room(prompt)
+            if room < 1 or (max_tokens or 1) > room:
+                raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
+                                    f"{len(prompt) + (max_tokens or 1) + self.engine.scratch} slots with the draft tree's "
+                                    f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
+                               limit, "context_length_exceeded")
+        stream, options = body.get("stream", False), body.get("stream_options") or {}
+        if not isinstance(stream, bool) or not isinstance(options, dict):
+            raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
+        if body.get("stream_options") is not None and not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+        reuse, loop, events = body.get("cache_prompt", True) is not False, asyncio.get_running_loop(), asyncio.Queue()
+        if len(prompts) * n > self.engine.jobs.maxsize:
+            raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
+                                f"{self.engine.jobs.maxsize} (--max_queue)", "n")
+        compile_grammar = partial(self.call_constraint, tool_form, body["tools"], calls) if calls \
+            else partial(self.constraint_of, body)
+        if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
+            raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
+                                "(or regex, grammar), not both", "tool_choice")
+        jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
+                    reuse, loop, events, None, tool_form, body.get("parallel_tool_calls") is False, index=i * n + k)
+                for i, prompt in enumerate(prompts) for k in range(n)]
+        return jobs, stream, bool(options.get("include_usage")), compile_grammar
+
+    def tools_of(self, body: dict, chat: bool) -> tuple:
+        """(tools for the chat template, the format its calls are read in, the names a call is forced among) of
+        OpenAI's tools and tool_choice; (None, None, None) without tools or with tool_choice none."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is None and choice is None:
+            return None, None, None
+        if not chat:
+            raise ApiError(400, "tools are for /v1/chat/completions", "tools")
+        try:
+            functions = functions_of(tools)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tools")
+        try:
+            calls = chosen_functions(functions, choice)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tool_choice")
+        if choice == "none":
+            return None, None, None
+        try:
+            return tools, call_format(self.engine.tokenizer), calls
+        except EagletError as e:
+            if calls is None:  # auto: the model decides to call, and it cannot without seeing the tools
+                raise ApiError(400, f"{e}; tool_choice auto needs a template that shows the model its tools "
+                                    "(required or a named function needs none)", "tools", "tools_unsupported")
+        # a forced call is the grammar's, whatever the template renders: Hermes' <tool_call> block; a template that
+        # takes tools in a format eaglet cannot read still shows them
+        return (tools if self.engine.tokenizer.takes_tools() else None), "hermes", calls
+
+    def render(self, body: dict, messages: list, tools: Optional[list]) -> list:
+        """A conversation's tokens through the chat template, with the request's chat_template_kwargs and the hints
+        (reasoning_effort, verbosity) as its variables; a log line for a hint the template never reads."""
+        tokenizer, kwargs = self.engine.tokenizer, body.get("chat_template_kwargs") or {}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+        if not isinstance(kwargs, dict) or reserved & kwargs.keys():
+            raise ApiError(400, f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}",
+                           "chat_template_kwargs")
+        hints = {name: body[name] for name in TEMPLATE_HINTS if body.get(name) is not None}
+        source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
+        self.warn_once([name for name in hints if name not in source], "the chat template never reads it")
+        if kwargs or hints:  # a copy of the tokenizer with these variables (no other request sees them)
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.template_kwargs = {**tokenizer.template_kwargs, **hints, **kwargs}
+        try:
+            return tokenizer.encode_chat(messages, tools)
+        except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
+            raise ApiError(400, str(e), "messages")
+
+    def warn_once(self, names: list, why: str):
+        """One log line for each field the reply goes without: the first time a request sends it."""
+        for name in names:
+            if (name, why) not in self.warned:
+                self.warned.add((name, why))
+                print(f"warning: a request's field {name!r} is accepted and has no effect: {why}", flush=True)
+
+    def call_constraint(self, tool_form: str, tools: list, names: list):
+        """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""
+        try:
+            grammar = call_grammar(self.engine.tokenizer, tool_form, functions_of(tools), names)
+            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+        except EagletError as e:
+            raise ApiError(400, str(e), "tools", "invalid_grammar")
+
+    def prompts_of(self, prompt) -> list:
+        """A completion's prompt as token lists: a string, a list of strings, a list of token ids, or a list of such
+        lists (OpenAI's four shapes); several prompts are answered as choices in their order."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        ok = isinstance(prompt, list) and prompt
+        if ok and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt = [prompt]
+        if not ok or not all(p and (isinstance(p, str) or isinstance(p, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
+            raise ApiError(400, "prompt must be a non-empty string or token-id list, or a list of them", "prompt")
+        vocab = self.engine.model.args.vocab_size
+        for p in prompt:
+            if isinstance(p, list) and not all(0 <= t < vocab for t in p):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def constraint_of(self, body: dict):
+        """The request's grammar as a fresh grammar.Constraint (None: free text); 400 naming the field and the
+        grammar engine's reason when it cannot be compiled."""
+        given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
+                 and body[name] != {"type": "text"}]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+        name, value = given[0], body[given[0]]
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "json_object" \
+                and value.get("schema") is not None:  # llama.cpp's way to give a schema
+            value, name = value["schema"], "response_format.schema"
+        try:
+            if name == "response_format":
+                grammar = response_format_grammar(value)
+            elif name in ("guided_json", "json_schema", "response_format.schema"):
+                if not isinstance(value, (dict, str)):
+                    raise EagletError(f"{name} must be a JSON schema (an object or its text)")
+                grammar = grammar_of("json_schema", value if isinstance(value, str) else json.dumps(value))
+            elif name == "guided_choice":
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                    raise EagletError("guided_choice must be a non-empty list of non-empty strings")
+                grammar = grammar_of("lark", "start: " + " | ".join(json.dumps(c) for c in value))
+            elif not isinstance(value, str) or not value:
+                raise EagletError(f"{name} must be a non-empty string")
+            else:
+                grammar = grammar_of("regex" if name.endswith("regex") else "lark", value)
+            if grammar is None:  # response_format text
+                return None
+            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+        except EagletError as e:
+            raise ApiError(400, str(e), name.split(".")[0], "invalid_grammar")
