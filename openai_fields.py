@@ -110,7 +110,7 @@ def messages_of(body: dict) -> list:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    out = []
+    out, call_ids = [], set()  # the ids of the calls made so far: a tool result answers one of them
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
@@ -131,9 +131,13 @@ def messages_of(body: dict) -> list:
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+            if m["tool_call_id"] not in call_ids:
+                raise ApiError(400, f"messages[{i}]: tool_call_id {json.dumps(m['tool_call_id'])[:60]} answers no call "
+                                    "an assistant message before it made", "messages")
             message |= {"tool_call_id": m["tool_call_id"]} | ({"name": m["name"]} if isinstance(m.get("name"), str) else {})
         if role == "assistant" and calls is not None:
             message["tool_calls"] = [call_of(i, call) for call in (calls if isinstance(calls, list) else [None])]
+            call_ids.update(call["id"] for call in message["tool_calls"])
         out.append(message)
     return out
 

@@ -188,6 +188,9 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      400, "functions", "cannot honour"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type":
+        "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "call_2",
+        "content": "x"}]}, 400, "messages", "answers no call"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {
         "name": "f", "arguments": "{oops"}}]}]}, 400, "messages", "tool_calls"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
