@@ -234,18 +234,31 @@ def after_thinking(tokenizer: Tokenizer, n_vocab: int, grammar: str, start: str)
 
 def thinking_lark(tokenizer: Tokenizer, n_vocab: int, start: str, answer: str) -> str:
     """The Lark grammar of a reply's thinking, then the grammar named answer (llguidance's @answer: a nested grammar,
-    with lexemes of its own). The thinking as text is a lazy lexeme, which ends at the first </think> it holds; where
-    </think> is a token of its own (tag_token), it is any text without a </think> in it, a greedy lexeme that ends
-    where a token that is no text comes, then that token."""
+    with lexemes of its own). Where </think> is text, the thinking is a lazy lexeme, which ends at the first </think>
+    it holds. Where it is a token of its own (tag_token), the thinking is text without a </think> in it (a greedy
+    lexeme, which ends where a token that is no text comes) and the added tokens that decode to text (Qwen3's
+    <tool_call>), then that token."""
     opening, end = tag_token(tokenizer, n_vocab, THINK_START), tag_token(tokenizer, n_vocab, THINK_END)
+    opening = json.dumps(THINK_START) if opening is None else f"<[{opening}]>"
     tag = THINK_END.replace("/", "\\/")  # as a /regex/ holds it
-    lines = ["start: thought WS? @" + answer if start == THINKING else
-             f"start: ({json.dumps(THINK_START) if opening is None else f'<[{opening}]>'} thought WS?)? @{answer}"]
+    lines = [f"start: thought WS? @{answer}" if start == THINKING else f"start: ({opening} thought WS?)? @{answer}",
+             "WS: /[ \\t\\r\\n]{1,4}/"]  # reasoning.WHITESPACE; bounded, as grammar_of's JSON is: none to wander in
     if end is None:
-        lines += [f"thought[lazy]: /(?s:.*){tag}/"]
-    else:
-        lines += [f"thought: THOUGHT <[{end}]>", f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){tag}(?s:.*)/"]
-    return "\n".join(lines + ["WS: /[ \\t\\r\\n]+/"]) + "\n"  # reasoning.WHITESPACE
+        return "\n".join(lines + [f"thought[lazy]: /(?s:.*){tag}/"]) + "\n"
+    others = [t for t in added_text_tokens(tokenizer, n_vocab) if t != end]
+    between = f"(<[{','.join(map(str, others))}]> THOUGHT?)* " if others else ""
+    return "\n".join(lines + [f"thought: THOUGHT? {between}<[{end}]>",
+                              f"THOUGHT: /(?s:.+)/ & ~/(?s:.*){tag}(?s:.*)/"]) + "\n"
+
+
+def added_text_tokens(tokenizer: Tokenizer, n_vocab: int) -> list:
+    """The added tokens that decode to their text (not special to the tokenizer) but that llguidance holds apart from
+    text: Qwen3's <think>, </think>, <tool_call>."""
+    if tokenizer.hf is None:
+        return []
+    ll = grammar_tokenizer(tokenizer, n_vocab)
+    return sorted(t for t, added in tokenizer.hf.get_added_tokens_decoder().items()
+                  if not added.special and t < n_vocab and ll.is_special_token(t))
 
 
 def tag_token(tokenizer: Tokenizer, n_vocab: int, tag: str) -> Optional[int]:
