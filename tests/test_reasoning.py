@@ -13,17 +13,34 @@ from decode import SamplingConfig, TreeConfig
 from grammar import Constraint, after_thinking, grammar_of, grammar_tokenizer, tag_token
 from reasoning import (ANSWERING, MAY_THINK, THINK_END, THINK_START, THINKING, ReasoningStream, reasoning_start,
                        reply_start, split, template_thinks)
-from tokenizer import LLAMA2_CHAT_TEMPLATE, Tokenizer
+from tokenizer import LLAMA2_CHAT_TEMPLATE, Tokenizer, template_environment
 
 QWEN3_ENDING = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and "
                 "enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 R1_ENDING = "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
 
 
+TEMPLATES = ROOT / "tests" / "data" / "templates"
+
+
 def test_which_templates_think():
     assert template_thinks(QWEN3_ENDING) and template_thinks(R1_ENDING)
     assert template_thinks("{{ content.split('</think>')[-1] }}")  # one that strips past turns' thinking
     assert not template_thinks(LLAMA2_CHAT_TEMPLATE)
+    assert template_thinks((TEMPLATES / "qwen3-8b.jinja").read_text(encoding="utf-8"))
+    for name in ("qwen2.5-7b-instruct", "llama-3.1-8b-instruct", "mistral-7b-instruct-v0.3"):
+        assert not template_thinks((TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")), name
+
+
+@pytest.mark.parametrize("kwargs, start", [({}, MAY_THINK), ({"enable_thinking": True}, MAY_THINK),
+                                           ({"enable_thinking": False}, ANSWERING)])
+def test_where_qwen3s_own_template_leaves_the_reply(kwargs, start):
+    """Qwen3-8B's template as it ships, a second turn after a reply that thought (the template drops that thinking)."""
+    template = template_environment().from_string((TEMPLATES / "qwen3-8b.jinja").read_text(encoding="utf-8"))
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n4"},
+                {"role": "user", "content": "3+3?"}]
+    prompt = template.render(messages=messages, add_generation_prompt=True, **kwargs)
+    assert reply_start(prompt) == start and "Easy." not in prompt
 
 
 @pytest.mark.parametrize("prompt, start", [
