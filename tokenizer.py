@@ -141,22 +141,25 @@ class Tokenizer:
     def encode_chat(self, messages: list, tools: Optional[list] = None) -> list:
         """Token ids of a conversation rendered with the chat template, ready for the assistant's reply; tools:
         OpenAI's function tools, for a template that reads them (takes_tools)."""
-        import jinja2
+        return self.encode_with_specials(self.render_chat(messages, tools))
 
+    def render_chat(self, messages: list, tools: Optional[list] = None) -> str:
+        """The conversation as the chat template writes it, with the variables transformers' apply_chat_template
+        gives: tools and documents are defined (None when not given) whether or not there are any."""
         def raise_exception(message):
             raise EagletError(f"chat template: {message}")
 
         env = template_environment()
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
-        extra = {} if tools is None else {"tools": tools}
         template = self.tool_template if tools is not None and self.tool_template else self.chat_template
         try:
-            text = env.from_string(template).render(
-                **self.template_kwargs, **extra, messages=messages, add_generation_prompt=True,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as e:
-            raise EagletError(f"chat template: {e}")
-        return self.encode_with_specials(text)
+            return env.from_string(template).render(
+                **{"documents": None, **self.template_kwargs}, tools=tools, messages=messages,
+                add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except EagletError:
+            raise
+        except Exception as e:  # a template is code: whatever it raises (a TypeError as well) is the template's
+            raise EagletError(f"chat template: {type(e).__name__}: {e}")
 
     def takes_tools(self) -> bool:
         """Whether the chat template reads a tools variable (templates with tool support do)."""
@@ -184,9 +187,25 @@ class Tokenizer:
 
 def template_environment():
     """The sandboxed jinja2 environment chat templates are rendered in, as Hugging Face renders them: its tojson is
-    json.dumps (jinja2's own escapes < > & as \\u003c..., text no template was trained on)."""
+    json.dumps (jinja2's own escapes < > & as \\u003c..., text no template was trained on); {% generation %} blocks
+    (transformers' mark of the assistant's text, for training masks) render as their body, in a scope of their own."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("render_body"), [], [], body).set_lineno(lineno)
+
+        def render_body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     return env
