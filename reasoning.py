@@ -76,7 +76,7 @@ class ReasoningStream:
             else:
                 kept = len(reasoning[:len(reasoning) - partial_tag(reasoning)].rstrip("\n"))
                 reasoning, self.held = reasoning[:kept], reasoning[kept:]
-            reasoning = self.reasoning(reasoning)
+            reasoning = self.give_reasoning(reasoning)
         if self.phase == "after" and self.held.lstrip(WHITESPACE):
             self.held, self.phase = self.held.lstrip(WHITESPACE), "answer"
         content = ""
@@ -84,7 +84,7 @@ class ReasoningStream:
             content, self.held = self.held, ""
         return reasoning, content
 
-    def reasoning(self, text: str) -> str:
+    def give_reasoning(self, text: str) -> str:
         if not self.thought:
             text = text.lstrip("\n")
         self.thought = self.thought or bool(text)
@@ -94,7 +94,7 @@ class ReasoningStream:
         """What the held text turns out to be when the reply ends: reasoning cut short, or an unfinished <think>."""
         held, self.held = self.held, ""
         if self.phase == "thinking":
-            return self.reasoning(held.rstrip("\n")), ""
+            return self.give_reasoning(held.rstrip("\n")), ""
         return "", held if self.phase in ("start", "answer") else ""
 
 
