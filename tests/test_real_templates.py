@@ -130,6 +130,8 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(vocabularies, te
     assert '"city": "Tromsø"' in text and "< a week from now &" in text  # as json.dumps writes it, not HTML-escaped
     plain = messages[:2]  # no tools at all: the same again
     assert ours.encode_chat(plain) == transformers_render(theirs, template, plain, None, **kwargs)[1]
+    if reasoning:  # Qwen3 writes the reasoning of a turn after the last user message in its <think> block
+        assert "<|im_start|>assistant\n<think>\nTwo questions, two tools.\n</think>\n\n<tool_call>" in text
     if "enable_thinking" in kwargs:
         empty_thought = "" if kwargs["enable_thinking"] else "<think>\n\n</think>\n\n"
         assert text.endswith("<|im_start|>assistant\n" + empty_thought)
