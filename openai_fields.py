@@ -28,7 +28,8 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "gui
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
 READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", *GRAMMAR_FIELDS, *TEMPLATE_HINTS}
+        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", *GRAMMAR_FIELDS,
+        *TEMPLATE_HINTS}
 # defined by OpenAI or another server, and the reply is the same with them: accepted without a word
 NO_EFFECT = {"user", "store", "metadata", "service_tier", "prediction", "prompt_cache_key", "safety_identifier",
              "request_id", "priority", "guided_decoding_backend"}
@@ -135,6 +136,8 @@ def messages_of(body: dict) -> list:
                 raise ApiError(400, f"messages[{i}]: tool_call_id {json.dumps(m['tool_call_id'])[:60]} answers no call "
                                     "an assistant message before it made", "messages")
             message |= {"tool_call_id": m["tool_call_id"]} | ({"name": m["name"]} if isinstance(m.get("name"), str) else {})
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):  # Qwen3's template shows it again
+            message["reasoning_content"] = m["reasoning_content"]
         if role == "assistant" and calls is not None:
             message["tool_calls"] = [call_of(i, call) for call in (calls if isinstance(calls, list) else [None])]
             call_ids.update(call["id"] for call in message["tool_calls"])

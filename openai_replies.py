@@ -1,9 +1,11 @@
 """The engine's results as OpenAI's replies: a whole chat.completion / text_completion object, or a stream's chunks
-(one per cycle, with what eaglet adds under "eaglet": the range its drafts made); tool calls read from the text,
-logprobs in the chat and the completions shapes, usage.
+(one per cycle, with what eaglet adds under "eaglet": the range its drafts made); a thinking reply's reasoning apart
+from its content (reasoning_content), tool calls read from the content, logprobs in the chat and the completions
+shapes, usage.
 """
 import json
 
+from reasoning import MAY_THINK, THINK_END, THINK_START, THINKING, WHITESPACE, ReasoningStream, split
 from serve_engine import Job
 from tool_calls import parse_calls, streamable
 
@@ -15,12 +17,15 @@ class StreamReply:
         self.jobs, self.head, self.chat = jobs, head, chat
         self.wants_logprobs, self.tool_form = jobs[0].sampling.logprobs >= 0, jobs[0].tool_form
         self.started, self.offsets, self.texts, self.sent = set(), {}, {}, {}
+        self.whole = {}  # a thinking reply's text so far, where its reasoning and content begin is read from
+        self.thinking = {job.index: ReasoningStream(job.reasoning) for job in jobs if job.reasoning is not None}
 
-    def chunk(self, index: int, text, finish=None, extra=None, logprobs=None, calls=None) -> str:
+    def chunk(self, index: int, text, finish=None, extra=None, logprobs=None, calls=None, reasoning="") -> str:
         choice = {"index": index, "finish_reason": finish}
         if self.chat:  # the role in a choice's first chunk only, as OpenAI sends it
             choice["delta"] = ({"role": "assistant"} if index not in self.started else {}) | (
-                {"content": text} if text is not None else {}) | (
+                {"reasoning_content": reasoning} if reasoning else {}) | (
+                {"content": text} if text is not None and (text or not reasoning) else {}) | (
                 {"tool_calls": [{"index": i} | call for i, call in enumerate(calls)]} if calls else {})
             self.started.add(index)
             choice["logprobs"] = {"content": logprobs} if self.wants_logprobs and logprobs is not None else None
@@ -33,21 +38,40 @@ class StreamReply:
         return f"data: {json.dumps({**self.head, 'choices': [choice], **(extra or {})})}\n\n"
 
     def text(self, index: int, value: tuple) -> list:
-        """A cycle's text: its chunk (with tools, the content up to where a call starts or may; the rest at the end)."""
+        """A cycle's text: its chunk (with tools, the content up to where a call starts or may; the rest at the end;
+        a thinking reply's reasoning as it comes, and where its reasoning and content begin in the reply's text)."""
         text, start, marks, logprobs = value  # marks: the reply's characters from accepted drafts, forced
-        if self.tool_form:
-            self.texts[index] = self.texts.get(index, "") + text
-            upto = max(self.sent.get(index, 0), streamable(self.texts[index], self.tool_form))
-            text, self.sent[index] = self.texts[index][self.sent.get(index, 0):upto], upto
-        if text or logprobs:
-            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks}, logprobs=logprobs)]
+        reasoning, where = "", {}
+        if index in self.thinking:
+            self.whole[index] = self.whole.get(index, "") + text
+            reasoning, text = self.thinking[index].feed(text)
+            where = part_starts(self.whole[index], self.jobs[index].reasoning)
+        text = self.content(index, text)
+        if text or reasoning or logprobs:
+            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where}, logprobs=logprobs,
+                               reasoning=reasoning)]
         return []
 
+    def content(self, index: int, text: str) -> str:
+        """What of a reply's new content may be sent now: all of it, or with tools what cannot be part of a call."""
+        if not self.tool_form:
+            return text
+        self.texts[index] = self.texts.get(index, "") + text
+        upto = max(self.sent.get(index, 0), streamable(self.texts[index], self.tool_form))
+        text, self.sent[index] = self.texts[index][self.sent.get(index, 0):upto], upto
+        return text
+
     def done(self, index: int, value: dict) -> list:
-        """A choice's last chunks: content held back, its tool calls, its finish_reason and eaglet's record."""
-        out, finish = [], value["finish_reason"]
+        """A choice's last chunks: reasoning and content held back, its tool calls, its finish_reason and eaglet's
+        record."""
+        out, finish, job = [], value["finish_reason"], self.jobs[index]
+        if index in self.thinking:
+            reasoning, text = self.thinking[index].flush()
+            text = self.content(index, text)
+            if reasoning or text:
+                out.append(self.chunk(index, text, reasoning=reasoning))
         if self.tool_form:
-            content, calls = calls_of(self.jobs[index], value["text"])
+            content, calls = calls_of(job, reply_parts(job, value["text"])[1])
             if (content or "")[self.sent.get(index, 0):]:
                 out.append(self.chunk(index, content[self.sent.get(index, 0):]))
             if calls:
@@ -66,10 +90,12 @@ def whole_reply(jobs: list, done: dict, head: dict, chat: bool) -> dict:
         reply = done[index]
         logprobs, finish = reply["logprobs"], reply["finish_reason"]
         if chat:
-            message = {"role": "assistant", "content": reply["text"]}
-            text, calls = calls_of(jobs[index], reply["text"]) if jobs[index].tool_form else (None, [])
+            reasoning, text = reply_parts(jobs[index], reply["text"])
+            message = {"role": "assistant"} | ({} if jobs[index].reasoning is None else {"reasoning_content": reasoning})
+            content, calls = calls_of(jobs[index], text) if jobs[index].tool_form else (text, [])
+            message["content"] = text if not calls else content
             if calls:
-                message, finish = {"role": "assistant", "content": text, "tool_calls": calls}, "tool_calls"
+                message, finish = message | {"tool_calls": calls}, "tool_calls"
             content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
         else:
             content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)[0]}
@@ -132,3 +158,23 @@ def usage(jobs: list, done: dict) -> dict:
     cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def reply_parts(job: Job, text: str) -> tuple:
+    """(reasoning, content) of a whole reply: (None, text) where it is not split."""
+    return (None, text) if job.reasoning is None else split(text, job.reasoning)
+
+
+def part_starts(text: str, start: str) -> dict:
+    """Where a thinking reply's reasoning and content begin in its text so far (as reasoning.split cuts it): the
+    characters the page colours by the ranges a chunk names are its reasoning's and content's, not the reply's."""
+    i = 0
+    if start == MAY_THINK and text.startswith(THINK_START):
+        i, start = len(THINK_START), THINKING
+    if start != THINKING:
+        return {"content_at": 0} if len(text) > len(THINK_START) or not THINK_START.startswith(text) else {}
+    where = {"reasoning_at": len(text) - len(text[i:].lstrip("\n"))}
+    end = text.find(THINK_END, i)
+    if end >= 0 and text[end + len(THINK_END):].lstrip(WHITESPACE):
+        where["content_at"] = len(text) - len(text[end + len(THINK_END):].lstrip(WHITESPACE))
+    return where

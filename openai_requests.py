@@ -9,18 +9,22 @@ from functools import partial
 from typing import Optional
 
 from checkpoint import EagletError
-from grammar import Constraint, grammar_of, response_format_grammar
+from grammar import Constraint, after_thinking, grammar_of, response_format_grammar
 from openai_fields import (GRAMMAR_FIELDS, MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError,
                            messages_of, number, sampling_of)
+from reasoning import reasoning_start
 from serve_engine import Engine, Job
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of
 
 
 class Requests:
-    """Turns request bodies into Jobs for one engine; remembers which ignored fields it has warned about."""
+    """Turns request bodies into Jobs for one engine; remembers which ignored fields it has warned about.
+    reasoning_parser: auto (a reply of a template that thinks is split into reasoning and content, and a grammar
+    starts where its thinking ends) or none."""
 
-    def __init__(self, engine: Engine, model_ids: list):
+    def __init__(self, engine: Engine, model_ids: list, reasoning_parser: str = "auto"):
         self.engine, self.model_ids, self.warned = engine, model_ids, set()  # warned: (field, why) a log line named
+        self.reasoning_parser = reasoning_parser
 
     def jobs(self, body: dict, chat: bool) -> tuple:
         """The request as Jobs, one a choice: each prompt (a completion's prompt may be a list) n times, each checked
@@ -33,7 +37,7 @@ class Requests:
         sampling, seed, stop = sampling_of(body, chat)
         self.warn_once([name for name in body if name not in READ | NO_EFFECT | REFUSED.keys()],
                        "no OpenAI-compatible server eaglet knows defines it")
-        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", *TEMPLATE_HINTS)
+        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", "separate_reasoning", *TEMPLATE_HINTS)
         self.warn_once([name for name in elsewhere if body.get(name) is not None],
                        f"not read by /v1/{'chat/' if chat else ''}completions")
         n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
@@ -41,6 +45,7 @@ class Requests:
         if body.get("parallel_tool_calls") not in (None, True, False):
             raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
         prompts = [self.render(body, messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
+        thinking, split = self.reply_start(body, prompts[0]) if chat else (None, None)
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -61,15 +66,30 @@ class Requests:
         if len(prompts) * n > self.engine.jobs.maxsize:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        compile_grammar = partial(self.call_constraint, tool_form, body["tools"], calls) if calls \
-            else partial(self.constraint_of, body)
+        compile_grammar = partial(self.call_constraint, tool_form, body["tools"], calls, thinking) if calls \
+            else partial(self.constraint_of, body, thinking)
         if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
             raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
                                 "(or regex, grammar), not both", "tool_choice")
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, None, tool_form, body.get("parallel_tool_calls") is False, index=i * n + k)
+                    reuse, loop, events, None, tool_form, body.get("parallel_tool_calls") is False, split, index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
         return jobs, stream, bool(options.get("include_usage")), compile_grammar
+
+    def reply_start(self, body: dict, prompt: list) -> tuple:
+        """Where a chat prompt leaves the reply (reasoning.reply_start: thinking, may think, answering), None where
+        the template never thinks or --reasoning_parser is none: once for the grammar, which starts where the thinking
+        ends, and once for the split into reasoning_content and content, which separate_reasoning false turns off."""
+        tokenizer, separate = self.engine.tokenizer, body.get("separate_reasoning")
+        if separate not in (None, True, False):
+            raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
+        source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
+        start = reasoning_start(self.reasoning_parser, source, tokenizer.decode(prompt))
+        if separate and start is None:
+            why = "--reasoning_parser none" if self.reasoning_parser == "none" else "the chat template never thinks"
+            raise ApiError(400, f"separate_reasoning: this server has no reasoning to separate ({why})",
+                           "separate_reasoning")
+        return start, None if separate is False else start
 
     def tools_of(self, body: dict, chat: bool) -> tuple:
         """(tools for the chat template, the format its calls are read in, the names a call is forced among) of
@@ -125,11 +145,10 @@ class Requests:
                 self.warned.add((name, why))
                 print(f"warning: a request's field {name!r} is accepted and has no effect: {why}", flush=True)
 
-    def call_constraint(self, tool_form: str, tools: list, names: list):
+    def call_constraint(self, tool_form: str, tools: list, names: list, thinking: Optional[str]):
         """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""
         try:
-            grammar = call_grammar(self.engine.tokenizer, tool_form, functions_of(tools), names)
-            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+            return self.compiled(call_grammar(self.engine.tokenizer, tool_form, functions_of(tools), names), thinking)
         except EagletError as e:
             raise ApiError(400, str(e), "tools", "invalid_grammar")
 
@@ -150,9 +169,10 @@ class Requests:
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
-    def constraint_of(self, body: dict):
-        """The request's grammar as a fresh grammar.Constraint (None: free text); 400 naming the field and the
-        grammar engine's reason when it cannot be compiled."""
+    def constraint_of(self, body: dict, thinking: Optional[str]):
+        """The request's grammar as a fresh grammar.Constraint (None: free text), started where the reply's thinking
+        ends (thinking: the reply's start); 400 naming the field and the grammar engine's reason when it cannot be
+        compiled."""
         given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
                  and body[name] != {"type": "text"}]
         if not given:
@@ -178,8 +198,15 @@ class Requests:
                 raise EagletError(f"{name} must be a non-empty string")
             else:
                 grammar = grammar_of("regex" if name.endswith("regex") else "lark", value)
-            if grammar is None:  # response_format text
-                return None
-            return Constraint(self.engine.tokenizer, self.engine.model.args.vocab_size, grammar)
+            return self.compiled(grammar, thinking)  # None: response_format text
         except EagletError as e:
             raise ApiError(400, str(e), name.split(".")[0], "invalid_grammar")
+
+    def compiled(self, grammar: Optional[str], thinking: Optional[str]):
+        """A grammar as a fresh Constraint; where the reply may think (thinking: its start, not None), one grammar of
+        free text up to </think> and then this one, so that decoding stays exact under speculation."""
+        if grammar is None:
+            return None
+        tokenizer, vocab = self.engine.tokenizer, self.engine.model.args.vocab_size
+        return Constraint(tokenizer, vocab, grammar if thinking is None else after_thinking(tokenizer, vocab, grammar,
+                                                                                              thinking))

@@ -47,11 +47,12 @@ MAX_BODY = 1 << 20  # bytes of a request body
 class Server:
     """The HTTP side: parse and check a request, queue it, stream or return its reply."""
 
-    def __init__(self, engine: Engine, api_key: Optional[str], allowed_origins=("*",), aliases=("eaglet",)):
+    def __init__(self, engine: Engine, api_key: Optional[str], allowed_origins=("*",), aliases=("eaglet",),
+                 reasoning_parser: str = "auto"):
         self.engine, self.api_key = engine, api_key
         self.draining, self.live = False, set()  # live: the jobs of replies not yet sent whole
         self.model_ids = [engine.name] + [a for a in aliases if a != engine.name]
-        self.requests = Requests(engine, self.model_ids)
+        self.requests = Requests(engine, self.model_ids, reasoning_parser)
         self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/", self.page, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -255,6 +256,10 @@ def parse_args(argv=None):
     p.add_argument("--shutdown_grace", type=float_flag(0, 3600), default=5.0,
                    help="on SIGTERM / SIGINT, seconds the replies in flight may run on before they are cancelled "
                         "(new requests get 503 at once; a second signal exits at once)")
+    p.add_argument("--reasoning_parser", choices=("auto", "none"), default="auto",
+                   help="auto: where the chat template thinks (<think> ... </think>), a chat reply's thinking goes to "
+                        "reasoning_content and its answer to content, and a grammar or forced tool call starts where "
+                        "the thinking ends; none: the reply as it comes, every grammar from its first token")
     args = p.parse_args(argv)
     generate.check_model_flags(p, args)
     # what generate.load reads beside the model flags: a server is one long conversation, as --interactive
@@ -286,7 +291,7 @@ def main(argv=None):
         print(f"warning: listening on {args.host} without --api_key: anyone who reaches it can use it")
     host, port = sock.getsockname()[:2]
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
-    api = Server(engine, args.api_key, origins, args.served_model_name or ["eaglet"])
+    api = Server(engine, args.api_key, origins, args.served_model_name or ["eaglet"], args.reasoning_parser)
     # timeout_graceful_shutdown: a connection still open once the replies are done or cancelled gets 1 s more
     server = DrainingUvicorn(uvicorn.Config(api.app, log_level="warning", timeout_graceful_shutdown=1), api,
                              args.shutdown_grace)

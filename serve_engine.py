@@ -35,6 +35,7 @@ class Job:
     constraint: Optional[object] = None  # grammar.Constraint: structured output
     tool_form: Optional[str] = None  # tool_calls.py's format the reply's calls are read in (None: no tools)
     one_call: bool = False  # parallel_tool_calls false: the reply's first call only
+    reasoning: Optional[str] = None  # where the reply starts (reasoning.py): split into reasoning and content
     scores: list = field(default_factory=list)  # with sampling.logprobs >= 0: generate appends each token's
     index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -193,6 +193,12 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
         "content": "x"}]}, 400, "messages", "answers no call"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {
         "name": "f", "arguments": "{oops"}}]}]}, 400, "messages", "tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "separate_reasoning": True}, 400,
+     "separate_reasoning", "never thinks"),  # the demo's template (LLaMA-2's)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "separate_reasoning": "yes"}, 400,
+     "separate_reasoning", "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, 400,
+     "chat_template_kwargs", "object"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
     ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
