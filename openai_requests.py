@@ -14,7 +14,7 @@ from openai_fields import (GRAMMAR_FIELDS, MAX_CHOICES, NO_EFFECT, READ, REFUSED
                            messages_of, number, sampling_of)
 from reasoning import reasoning_start
 from serve_engine import Engine, Job
-from tool_calls import call_format, call_grammar, chosen_functions, functions_of
+from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
 
 
 class Requests:
@@ -121,7 +121,8 @@ class Requests:
 
     def render(self, body: dict, messages: list, tools: Optional[list]) -> list:
         """A conversation's tokens through the chat template, with the request's chat_template_kwargs and the hints
-        (reasoning_effort, verbosity) as its variables; a log line for a hint the template never reads."""
+        (reasoning_effort, verbosity) as its variables, and its tool call ids as the template takes them; a log line
+        for a hint the template never reads."""
         tokenizer, kwargs = self.engine.tokenizer, body.get("chat_template_kwargs") or {}
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
         if not isinstance(kwargs, dict) or reserved & kwargs.keys():
@@ -134,7 +135,7 @@ class Requests:
             tokenizer = copy.copy(tokenizer)
             tokenizer.template_kwargs = {**tokenizer.template_kwargs, **hints, **kwargs}
         try:
-            return tokenizer.encode_chat(messages, tools)
+            return tokenizer.encode_chat(ids_for_template(tokenizer, messages), tools)
         except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
             raise ApiError(400, str(e), "messages")
 
@@ -148,7 +149,9 @@ class Requests:
     def call_constraint(self, tool_form: str, tools: list, names: list, thinking: Optional[str]):
         """The grammar of a forced call (tool_choice required or a named function) as a fresh Constraint."""
         try:
-            return self.compiled(call_grammar(self.engine.tokenizer, tool_form, functions_of(tools), names), thinking)
+            grammar = call_grammar(self.engine.tokenizer, self.engine.model.args.vocab_size, tool_form,
+                                   functions_of(tools), names)
+            return self.compiled(grammar, thinking)
         except EagletError as e:
             raise ApiError(400, str(e), "tools", "invalid_grammar")
 

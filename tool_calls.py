@@ -8,15 +8,18 @@ Three formats cover the checkpoints that take tools:
              in the decoded text, so the reply is the JSON list)
 tool_choice "required" or a named function makes the call a grammar (grammar.py): the reply can only be a call in the
 template's format whose arguments satisfy the function's JSON schema, and decoding stays exact (the target's own
-distribution restricted to what the grammar allows). Imports grammar.py and tokenizer.py.
+distribution restricted to what the grammar allows); Hermes' tags are their own tokens there where the vocabulary
+holds them so (Qwen2.5's, Qwen3's). A conversation's call ids reach a Mistral template as the 9 letters and digits it
+takes (ids_for_template). Imports grammar.py and tokenizer.py.
 """
+import hashlib
 import json
 import re
 import uuid
 from typing import Optional
 
 from checkpoint import EagletError
-from grammar import grammar_of
+from grammar import grammar_of, tag_token
 from tokenizer import Tokenizer
 
 JSON_EXACT = {"whitespace_flexible": False}  # JSON as json.dumps writes it: no runs of whitespace to wander in
@@ -75,16 +78,18 @@ def chosen_functions(functions: dict, tool_choice) -> Optional[list]:
     return [name]
 
 
-def call_grammar(tokenizer: Tokenizer, form: str, functions: dict, names: list) -> str:
+def call_grammar(tokenizer: Tokenizer, n_vocab: int, form: str, functions: dict, names: list) -> str:
     """A grammar whose every sentence is one call, in the template's format, of one of names with arguments its
-    schema accepts (a Lark grammar with llguidance's inline %json)."""
+    schema accepts (a Lark grammar with llguidance's inline %json); n_vocab: the model's vocabulary size."""
     arguments = "parameters" if form == "llama" else "arguments"
     definitions = {}
     calls = [{"type": "object", "properties": {"name": {"const": name}, arguments: hoisted(functions[name], i, definitions)},
               "required": ["name", arguments], "additionalProperties": False} for i, name in enumerate(names)]
     call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | ({"$defs": definitions} if definitions else {})
     if form == "hermes":
-        lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call | {"x-guidance": JSON_EXACT})}'
+        opening, closing = (tag_lark(tokenizer, n_vocab, tag) for tag in ("<tool_call>", "</tool_call>"))
+        call_json = json.dumps(call | {"x-guidance": JSON_EXACT})
+        lark = f'start: {opening} "\\n" call "\\n" {closing}\ncall: %json {call_json}'
     elif form == "llama":
         lark = f"start: call\ncall: %json {json.dumps(call | {'x-guidance': JSON_EXACT})}"
     else:
@@ -94,6 +99,13 @@ def call_grammar(tokenizer: Tokenizer, form: str, functions: dict, names: list) 
         listed = {"type": "array", "items": call, "minItems": 1, "maxItems": 1, "x-guidance": JSON_EXACT}
         lark = f'start: <[{marker}]> " "? calls\ncalls: %json {json.dumps(listed)}'
     return grammar_of("lark", lark)
+
+
+def tag_lark(tokenizer: Tokenizer, n_vocab: int, tag: str) -> str:
+    """A Hermes tag as the grammar says it: its own token where llguidance holds it apart from text (Qwen2.5's and
+    Qwen3's <tool_call> are added tokens that decode to their text; grammar.tag_token), else the text."""
+    token = tag_token(tokenizer, n_vocab, tag)
+    return json.dumps(tag) if token is None else f"<[{token}]>"
 
 
 def hoisted(schema: dict, i: int, definitions: dict) -> dict:
@@ -139,6 +151,36 @@ def parse_calls(text: str, form: str) -> tuple:
 def call_id(form: str) -> str:
     """A new call's id: OpenAI's call_ and 24 hex digits; Mistral's templates refuse any id but 9 letters and digits."""
     return uuid.uuid4().hex[:9] if form == "mistral" else "call_" + uuid.uuid4().hex[:24]
+
+
+def ids_for_template(tokenizer: Tokenizer, messages: list) -> list:
+    """The conversation with its tool call ids as the chat template takes them. Mistral's templates refuse any id but
+    9 letters and digits, so a conversation carried over from another server (OpenAI's call_... ids) has each id
+    mapped to one (mistral_id: the same id always the same, so a tool result still names its call); other formats'
+    ids are left as they are."""
+    if not any("tool_calls" in m or "tool_call_id" in m for m in messages):
+        return messages
+    try:
+        form = call_format(tokenizer)
+    except EagletError:  # the template takes no tools: it has no ids to refuse
+        return messages
+    if form != "mistral":
+        return messages
+    return [with_mistral_ids(m) for m in messages]
+
+
+def with_mistral_ids(message: dict) -> dict:
+    message = dict(message)
+    if "tool_calls" in message:
+        message["tool_calls"] = [call | {"id": mistral_id(call["id"])} for call in message["tool_calls"]]
+    if "tool_call_id" in message:
+        message["tool_call_id"] = mistral_id(message["tool_call_id"])
+    return message
+
+
+def mistral_id(call: str) -> str:
+    """A call id as 9 letters and digits: kept where it is already, else the first 9 hex digits of its SHA-256."""
+    return call if re.fullmatch(r"[A-Za-z0-9]{9}", call) else hashlib.sha256(call.encode()).hexdigest()[:9]
 
 
 def list_items(body: str) -> list:

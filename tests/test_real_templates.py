@@ -213,7 +213,8 @@ def test_a_forced_call_is_read_back_and_goes_back_through_the_template(vocabular
     ours, theirs = both(vocabularies, template)
     form, functions = call_format(ours), functions_of(TOOLS)
     names = chosen_functions(functions, {"type": "function", "function": {"name": function}})
-    constraint = Constraint(ours, smollm2_target.args.vocab_size, call_grammar(ours, form, functions, names))
+    n_vocab = smollm2_target.args.vocab_size
+    constraint = Constraint(ours, n_vocab, call_grammar(ours, n_vocab, form, functions, names))
     messages = conversation(template)[:2]
     result = generate.generate(smollm2_target, ours.encode_chat(messages, TOOLS), 120, SamplingConfig(), ours.eos_ids,
                                constraint=constraint)

@@ -1,8 +1,11 @@
 """Tool calls (tool_calls.py, serve.py): the call format read from the chat template, replies parsed into OpenAI's
 tool_calls for the three formats, a forced call (tool_choice required or named) that is always a valid call of a
 given function whose arguments satisfy its schema -- speculative output equal to plain -- and the whole loop through
-the official client: a call, streamed or not, the tool's result sent back, the next reply."""
+the official client: a call, streamed or not, the tool's result sent back, the next reply. Hermes' <tool_call> tags
+where they are tokens of their own (Qwen2.5's and Qwen3's vocabularies), and Mistral's 9-character call ids for a
+conversation carried over from another server."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,12 +13,15 @@ pytest.importorskip("llguidance", reason="forced calls are grammars: pip install
 jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
 
 import generate  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, smollm2_gguf  # noqa: E402
 from decode import SamplingConfig, TreeConfig  # noqa: E402
-from grammar import Constraint  # noqa: E402
+from grammar import Constraint, grammar_of, grammar_tokenizer, tag_token  # noqa: E402
 from model import EagletError  # noqa: E402
+from openai_fields import messages_of  # noqa: E402
+from openai_requests import Requests  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tool_calls import call_format, call_grammar, chosen_functions, functions_of, parse_calls, streamable  # noqa: E402
+from tool_calls import (JSON_EXACT, call_format, call_grammar, chosen_functions, functions_of,  # noqa: E402
+                        ids_for_template, mistral_id, parse_calls, streamable)
 
 DEMO = ROOT / "demo"
 # A small template in the Hermes style (Qwen's): tools listed as JSON, calls as <tool_call> blocks, results back
@@ -89,7 +95,7 @@ def test_parameters_with_their_own_definitions_and_mistral_ids(tmp_path):
              "additionalProperties": False, "$defs": {"Place": {"type": "object", "properties": {
                  "city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False}}}
     tokenizer = tokenizer_with(tmp_path, HERMES)
-    grammar = call_grammar(tokenizer, "hermes", {"go": place}, ["go"])
+    grammar = call_grammar(tokenizer, tokenizer.vocab_size, "hermes", {"go": place}, ["go"])
     constraint = Constraint(tokenizer, tokenizer.vocab_size, grammar)
     text = '<tool_call>\n{"name":"go","arguments":{"where":{"city":"Oslo"}}}\n</tool_call>'
     assert constraint.take(tokenizer.encode(text, bos=False)) > 0 and not constraint.matcher.is_error()
@@ -131,7 +137,7 @@ def test_a_forced_call_is_valid_and_speculation_keeps_it_exact(tmp_path, form):
     head = generate.load_draft(DEMO / "head" / "draft.pth", target)
     functions = functions_of([WEATHER, CLOCK])
     for names in (["get_weather", "get_time"], ["get_time"]):
-        grammar = call_grammar(tokenizer, form, functions, names)
+        grammar = call_grammar(tokenizer, target.args.vocab_size, form, functions, names)
         prompt = tokenizer.encode_chat([{"role": "user", "content": "def weather(city):"}], [WEATHER, CLOCK])
         replies = []
         for draft in (None, head):
@@ -149,7 +155,8 @@ def test_a_forced_call_is_valid_and_speculation_keeps_it_exact(tmp_path, form):
 
 def test_mistral_calls_need_their_token(tmp_path):
     with pytest.raises(EagletError, match="no such token"):
-        call_grammar(tokenizer_with(tmp_path, MISTRAL), "mistral", functions_of([WEATHER]), ["get_weather"])
+        tokenizer = tokenizer_with(tmp_path, MISTRAL)
+        call_grammar(tokenizer, tokenizer.vocab_size, "mistral", functions_of([WEATHER]), ["get_weather"])
 
 
 def test_the_tool_loop_through_the_openai_client(tmp_path):
@@ -196,3 +203,140 @@ def test_the_tool_loop_through_the_openai_client(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# Hermes' tags as tokens of their own
+
+TAGS = ("<tool_call>", "</tool_call>")
+STOP = {"type": "function", "function": {"name": "stop", "parameters": {"type": "object", "properties": {},
+                                                                        "additionalProperties": False}}}
+TEMPLATES = ROOT / "tests" / "data" / "templates"
+
+
+def smollm2_tokenizer(folder, renamed=(), special=True, added=(), config=None,
+                      template="qwen2.5-7b-instruct") -> Tokenizer:
+    """SmolLM2's byte-level vocabulary (its GGUF file's tokenizer.json): renamed, tokens in the place of its unused
+    special ones (<repo_name>, <reponame>, ...: ids its embedding has rows for), special or not; added, tokens after
+    its vocabulary as Qwen adds its tags (not special: they decode to their text); config: tokenizer_config.json;
+    template: one of tests/data/templates."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from convert_gguf import gguf_tokenizer, read_gguf
+    tok = json.loads(gguf_tokenizer(read_gguf(smollm2_gguf()))["tokenizer.json"])
+    for slot, content in zip(tok["added_tokens"][3:], renamed):
+        tok["model"]["vocab"][content] = tok["model"]["vocab"].pop(slot["content"])
+        slot["content"], slot["special"] = content, special
+    hf = HFTokenizer.from_str(json.dumps(tok))
+    hf.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in added])
+    hf.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer(folder, chat_template=str(TEMPLATES / f"{template}.jinja"))
+
+
+@pytest.fixture(scope="module", params=["added", "renamed", "text", "sentencepiece"])
+def vocabulary(request, tmp_path_factory):
+    """The tags added after SmolLM2's vocabulary as Qwen adds them, in the place of two of its unused special tokens
+    (not special either), as text in it, and as text in the demo's sentencepiece vocabulary."""
+    if request.param == "sentencepiece":
+        return Tokenizer(DEMO / "target")
+    folder = tmp_path_factory.mktemp(request.param)
+    return smollm2_tokenizer(folder, **{"added": {"added": TAGS}, "renamed": {"renamed": TAGS, "special": False},
+                                        "text": {}}[request.param])
+
+
+def literal_grammar(functions: dict, name: str) -> str:
+    """The Hermes grammar as it was: the tags as text literals, whatever the vocabulary."""
+    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": functions[name]},
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_EXACT}
+    return grammar_of("lark", f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(call)}')
+
+
+def test_hermes_tags_are_tokens_where_the_vocabulary_holds_them(vocabulary):
+    """The call as the model writes it (the tags' own tokens where they are tokens, else text) is a sentence of the
+    grammar, and its decoded text reads back as the call."""
+    tokenizer, n_vocab = vocabulary, vocabulary.vocab_size
+    tags = [tokenizer.token_id(tag) for tag in TAGS]
+    assert [tag_token(tokenizer, n_vocab, tag) for tag in TAGS] == tags  # tokens here are held apart from text
+    text = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}\n</tool_call>'
+    tokens = grammar_tokenizer(tokenizer, n_vocab).tokenize_str(text)
+    assert (tokens[0], tokens[-1]) == tuple(tags) or None in tags
+    grammar = call_grammar(tokenizer, n_vocab, "hermes", functions_of([WEATHER, CLOCK]), ["get_weather", "get_time"])
+    constraint = Constraint(tokenizer, n_vocab, grammar, forced_min=0)
+    assert constraint.take(tokens) == len(tokens) and constraint.done()
+    content, calls = parse_calls(tokenizer.decode(tokens), "hermes")
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"})]
+
+
+def test_a_forced_call_writes_the_tag_tokens_where_a_text_literal_fails(vocabulary):
+    """A call the grammar forces whole (a function without parameters): its run holds the tags' own tokens where they
+    are tokens and reads back as the call; the tags as text literals refuse those tokens, taken or forced."""
+    tokenizer, n_vocab = vocabulary, vocabulary.vocab_size
+    functions = functions_of([STOP])
+    constraint = Constraint(tokenizer, n_vocab, call_grammar(tokenizer, n_vocab, "hermes", functions, ["stop"]))
+    run = constraint.forced(100)
+    assert constraint.done() and tokenizer.decode(run) == '<tool_call>\n{"name":"stop","arguments":{}}\n</tool_call>'
+    assert [c["function"]["name"] for c in parse_calls(tokenizer.decode(run), "hermes")[1]] == ["stop"]
+    if tokenizer.token_id(TAGS[0]) is None:
+        assert Constraint(tokenizer, n_vocab, literal_grammar(functions, "stop"), forced_min=0).take(run) == len(run)
+        return
+    assert (run[0], run[-1]) == tuple(tokenizer.token_id(tag) for tag in TAGS)
+    with pytest.raises(EagletError, match="refused a token its mask allowed"):
+        Constraint(tokenizer, n_vocab, literal_grammar(functions, "stop")).take(run)
+    with pytest.raises(EagletError, match="refused the token it forced"):
+        Constraint(tokenizer, n_vocab, literal_grammar(functions, "stop")).forced(100)
+
+
+@pytest.mark.slow
+def test_smollm2_decodes_a_forced_call_through_the_tag_tokens(smollm2, tmp_path):
+    """SmolLM2 under a named call's grammar, with Qwen2.5's template, where the tags are tokens of their own: the tags
+    are renamed unused special tokens (SmolLM2's embedding has exactly its tokenizer's 49152 rows, none spare for
+    tokens added after them), not special, so they decode to their text as Qwen's do."""
+    tokenizer = smollm2_tokenizer(tmp_path, renamed=TAGS, special=False)
+    target = generate.load_target(smollm2[1] / "model.pth", "cpu", "fp32", 1024)
+    n_vocab, functions = target.args.vocab_size, functions_of([WEATHER, CLOCK])
+    constraint = Constraint(tokenizer, n_vocab, call_grammar(tokenizer, n_vocab, "hermes", functions, ["get_weather"]))
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the weather in Paris?"}], [WEATHER, CLOCK])
+    result = generate.generate(target, prompt, 80, SamplingConfig(), tokenizer.eos_ids, constraint=constraint)
+    tags = [tokenizer.token_id(tag) for tag in TAGS]
+    assert constraint.done() and [t for t in result.tokens if t in tags] == tags
+    content, calls = parse_calls(tokenizer.decode(result.tokens), "hermes")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), functions["get_weather"])
+
+
+# Mistral's call ids
+
+MISTRAL_MARKERS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+
+
+def test_mistral_ids_are_mapped_before_its_template_sees_them(tmp_path):
+    """A conversation carried over from another server (OpenAI's call_... ids), through Mistral v3's own template (on
+    SmolLM2's vocabulary with Mistral's markers as special tokens, as tests/test_real_templates.py builds it): it
+    renders, each call's id is 9 letters and digits derived from its own (the same every time), each result names its
+    call's, an id already 9 letters and digits is kept; a Hermes template's ids are left as they are."""
+    tokenizer = smollm2_tokenizer(tmp_path, renamed=MISTRAL_MARKERS, config={
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"},
+                                  template="mistral-7b-instruct-v0.3")
+    ids = ["call_" + "a1b2c3" * 4, "call_" + "9z8y7x" * 4, "Ab3dE5gh9"]
+    calls = [{"id": i, "type": "function", "function": {"name": "get_time", "arguments": json.dumps({"zone": n})}}
+             for n, i in enumerate(ids)]
+    body = {"messages": [{"role": "user", "content": "The time in three zones?"},
+                         {"role": "assistant", "content": None, "tool_calls": calls}] +
+                        [{"role": "tool", "tool_call_id": i, "content": f"{n}:00"} for n, i in enumerate(ids)][::-1]}
+    messages = messages_of(body)
+    with pytest.raises(EagletError, match="alphanumeric strings with length 9"):
+        tokenizer.encode_chat(messages, [CLOCK])
+    mapped = [mistral_id(i) for i in ids]
+    assert mapped[2] == ids[2] and len(set(mapped)) == 3 and mapped == [mistral_id(i) for i in ids]
+    assert all(len(m) == 9 and m.isalnum() for m in mapped)
+    text = tokenizer.decode(Requests(SimpleNamespace(tokenizer=tokenizer), ["eaglet"]).render(body, messages, [CLOCK]))
+    assert not any(i in text for i in ids[:2])
+    for n, m in enumerate(mapped):
+        assert f'"arguments": {{"zone": {n}}}, "id": "{m}"}}' in text
+        assert f'{{"content": {n}:00, "call_id": "{m}"}}' in text
+    hermes = [{**m, "tool_calls": calls} if m["role"] == "assistant" else m for m in messages]
+    assert ids_for_template(tokenizer_with(tmp_path, HERMES), hermes) is hermes
