@@ -14,17 +14,22 @@ openai = pytest.importorskip("openai", reason="pip install openai")
 CHROMIUM, DRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 
 
+def browser():
+    """Headless Chromium through its driver."""
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.binary_location = CHROMIUM
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="Debian's chromium and chromium-driver are not installed")
 def test_the_page_chats_and_marks_drafted_and_target_tokens():
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     proc, url = start_server()
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    options.binary_location = CHROMIUM
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    driver = browser()
     try:
         driver.get(url + "/")
         prompt = "def read_lines(path):"

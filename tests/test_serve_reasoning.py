@@ -100,7 +100,7 @@ def thinking_server(smollm2, tmp_path_factory):
     shutil.copytree(ROOT / "heads" / "smollm2-135m-instruct-eagle", head)  # converting writes draft.pth beside it
     proc, url = start_server("--checkpoint_path", str(folder / "model.pth"), "--draft_checkpoint_path",
                              str(convert(head, log=lambda *_: None)), "--chat_template", str(TEMPLATE),
-                             "--depth", "3", "--tree_topk", "1", "--total_tokens", "4",  # a CPU's best tree
+                             "--depth", "3", "--tree_topk", "1", "--total_tokens", "4", "--step_aside", "off",
                              "--precision", "fp32", "--device", "cpu", "--max_seq_length", "1024")
     yield url, httpx
     proc.terminate()
@@ -165,3 +165,36 @@ def test_a_schema_and_a_forced_call_start_where_the_thinking_ends(thinking_serve
     assert message["reasoning_content"], "the forced call constrained the thinking too"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+@pytest.mark.slow
+def test_the_page_shows_the_thinking_apart_and_marks_both_parts(thinking_server):
+    """The page, in a real browser, on the real model: the thinking in grey spans, the answer in others, each
+    coloured by where its characters came from (the marks name the reply's characters: the page maps them onto
+    each part), their text the API's reasoning_content and content."""
+    page = pytest.importorskip("test_serve_page", reason="selenium: pip install selenium")
+    if not (page.CHROMIUM and page.DRIVER):
+        pytest.skip("Debian's chromium and chromium-driver are not installed")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    url, _ = thinking_server
+    *earlier, question = conversation()
+    driver = page.browser()
+    try:
+        driver.get(url + "/")
+        driver.execute_script("messages = arguments[0];", earlier)  # the few-shot turns the model follows
+        driver.find_element(By.ID, "prompt").send_keys(question["content"])
+        driver.find_element(By.ID, "send").click()
+        WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "log").get_attribute("data-done") == "1")
+        spans = [(s.get_attribute("class").split(), s.get_attribute("textContent"))
+                 for s in driver.find_elements(By.CSS_SELECTOR, "#log span")][1:]  # after the user's line
+        thinking = "".join(text for kinds, text in spans if "thinking" in kinds)
+        answer = "".join(text for kinds, text in spans if "thinking" not in kinds)
+        message = ask(thinking_server, {"messages": conversation()}, stream=False)
+        assert (thinking, answer) == (message["reasoning_content"], message["content"])
+        assert {"drafted", "target"} <= {k for kinds, _ in spans if "thinking" in kinds for k in kinds}
+        assert {k for kinds, _ in spans if "thinking" not in kinds for k in kinds} <= {"drafted", "target"}
+        sent = driver.execute_script("return messages[messages.length - 1];")
+        assert sent == {"role": "assistant", "content": "Paris", "reasoning_content": "France's capital is Paris."}
+    finally:
+        driver.quit()
