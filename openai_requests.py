@@ -16,6 +16,8 @@ from reasoning import reasoning_start
 from serve_engine import Engine, Job
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
 
+PROMPT_TAIL = 64  # tokens of a chat prompt read for where it leaves the reply: its generation prompt, with any <think>
+
 
 class Requests:
     """Turns request bodies into Jobs for one engine; remembers which ignored fields it has warned about.
@@ -84,7 +86,8 @@ class Requests:
         if separate not in (None, True, False):
             raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
         source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
-        start = reasoning_start(self.reasoning_parser, source, tokenizer.decode(prompt))
+        # the generation prompt's end says it, and decoding a whole long prompt would hold up the event loop
+        start = reasoning_start(self.reasoning_parser, source, tokenizer.decode(prompt[-PROMPT_TAIL:]))
         if separate and start is None:
             why = "--reasoning_parser none" if self.reasoning_parser == "none" else "the chat template never thinks"
             raise ApiError(400, f"separate_reasoning: this server has no reasoning to separate ({why})",
