@@ -209,7 +209,6 @@ def response_format_grammar(response_format) -> Optional[str]:
     return grammar_of("json_schema", json.dumps(schema), strict=spec.get("strict") is True)
 
 
-
 def after_thinking(tokenizer: Tokenizer, n_vocab: int, grammar: str, start: str) -> str:
     """grammar (grammar_of's, or any llguidance grammar) started where the reply's thinking ends, for a reply that
     begins at start (reasoning.reply_start): THINKING -> any text up to </think>, whitespace, then grammar;

@@ -5,7 +5,7 @@ shapes, usage.
 """
 import json
 
-from reasoning import MAY_THINK, THINK_END, THINK_START, THINKING, WHITESPACE, ReasoningStream, split
+from reasoning import ReasoningStream, split
 from serve_engine import Job
 from tool_calls import parse_calls, streamable
 
@@ -16,9 +16,8 @@ class StreamReply:
     def __init__(self, jobs: list, head: dict, chat: bool):
         self.jobs, self.head, self.chat = jobs, head, chat
         self.wants_logprobs, self.tool_form = jobs[0].sampling.logprobs >= 0, jobs[0].tool_form
-        self.started, self.offsets, self.texts, self.sent = set(), {}, {}, {}
-        self.whole = {}  # a thinking reply's text so far, where its reasoning and content begin is read from
-        self.thinking = {job.index: ReasoningStream(job.reasoning) for job in jobs if job.reasoning is not None}
+        self.started, self.offsets, self.content_so_far, self.sent = set(), {}, {}, {}  # sent: of content_so_far
+        self.reasoning_streams = {job.index: ReasoningStream(job.reasoning) for job in jobs if job.reasoning is not None}
 
     def chunk(self, index: int, text, finish=None, extra=None, logprobs=None, calls=None, reasoning="") -> str:
         choice = {"index": index, "finish_reason": finish}
@@ -42,10 +41,11 @@ class StreamReply:
         a thinking reply's reasoning as it comes, and where its reasoning and content begin in the reply's text)."""
         text, start, marks, logprobs = value  # marks: the reply's characters from accepted drafts, forced
         reasoning, where = "", {}
-        if index in self.thinking:
-            self.whole[index] = self.whole.get(index, "") + text
-            reasoning, text = self.thinking[index].feed(text)
-            where = part_starts(self.whole[index], self.jobs[index].reasoning)
+        if index in self.reasoning_streams:
+            parts = self.reasoning_streams[index]
+            reasoning, text = parts.feed(text)
+            where = {name: at for name, at in (("reasoning_at", parts.reasoning_at), ("content_at", parts.content_at))
+                     if at is not None}
         text = self.content(index, text)
         if text or reasoning or logprobs:
             return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where}, logprobs=logprobs,
@@ -56,17 +56,17 @@ class StreamReply:
         """What of a reply's new content may be sent now: all of it, or with tools what cannot be part of a call."""
         if not self.tool_form:
             return text
-        self.texts[index] = self.texts.get(index, "") + text
-        upto = max(self.sent.get(index, 0), streamable(self.texts[index], self.tool_form))
-        text, self.sent[index] = self.texts[index][self.sent.get(index, 0):upto], upto
+        self.content_so_far[index] = self.content_so_far.get(index, "") + text
+        upto = max(self.sent.get(index, 0), streamable(self.content_so_far[index], self.tool_form))
+        text, self.sent[index] = self.content_so_far[index][self.sent.get(index, 0):upto], upto
         return text
 
     def done(self, index: int, value: dict) -> list:
         """A choice's last chunks: reasoning and content held back, its tool calls, its finish_reason and eaglet's
         record."""
         out, finish, job = [], value["finish_reason"], self.jobs[index]
-        if index in self.thinking:
-            reasoning, text = self.thinking[index].flush()
+        if index in self.reasoning_streams:
+            reasoning, text = self.reasoning_streams[index].flush()
             text = self.content(index, text)
             if reasoning or text:
                 out.append(self.chunk(index, text, reasoning=reasoning))
@@ -163,18 +163,3 @@ def usage(jobs: list, done: dict) -> dict:
 def reply_parts(job: Job, text: str) -> tuple:
     """(reasoning, content) of a whole reply: (None, text) where it is not split."""
     return (None, text) if job.reasoning is None else split(text, job.reasoning)
-
-
-def part_starts(text: str, start: str) -> dict:
-    """Where a thinking reply's reasoning and content begin in its text so far (as reasoning.split cuts it): the
-    characters the page colours by the ranges a chunk names are its reasoning's and content's, not the reply's."""
-    i = 0
-    if start == MAY_THINK and text.startswith(THINK_START):
-        i, start = len(THINK_START), THINKING
-    if start != THINKING:
-        return {"content_at": 0} if len(text) > len(THINK_START) or not THINK_START.startswith(text) else {}
-    where = {"reasoning_at": len(text) - len(text[i:].lstrip("\n"))}
-    end = text.find(THINK_END, i)
-    if end >= 0 and text[end + len(THINK_END):].lstrip(WHITESPACE):
-        where["content_at"] = len(text) - len(text[end + len(THINK_END):].lstrip(WHITESPACE))
-    return where

@@ -1,22 +1,19 @@
 """A chat or completions request as the Jobs the engine runs, one a choice: its prompts (through the chat template,
-with tools and chat_template_kwargs), the room each needs in the cache, and the grammar that constrains it
-(structured output, or a forced tool call), compiled by the caller off the event loop.
+with tools and chat_template_kwargs), the room each needs in the cache, where a reasoning model's reply starts, and
+the grammar that constrains it (structured output, or a forced tool call).
 """
 import asyncio
 import copy
 import json
-from functools import partial
 from typing import Optional
 
 from checkpoint import EagletError
 from grammar import Constraint, after_thinking, grammar_of, response_format_grammar
 from openai_fields import (GRAMMAR_FIELDS, MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError,
                            messages_of, number, sampling_of)
-from reasoning import reasoning_start
+from reasoning import THINK_END, reasoning_start, template_thinks
 from serve_engine import Engine, Job
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
-
-PROMPT_TAIL = 64  # tokens of a chat prompt read for where it leaves the reply: its generation prompt, with any <think>
 
 
 class Requests:
@@ -26,12 +23,20 @@ class Requests:
 
     def __init__(self, engine: Engine, model_ids: list, reasoning_parser: str = "auto"):
         self.engine, self.model_ids, self.warned = engine, model_ids, set()  # warned: (field, why) a log line named
+        tokenizer = engine.tokenizer
+        self.template = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")  # the source, as read
+        if reasoning_parser == "auto" and template_thinks(self.template) and \
+                tokenizer.decode(tokenizer.encode(THINK_END, bos=False)) != THINK_END:
+            print(f"warning: the tokenizer's {THINK_END} is a special token its decoding drops: replies are not split "
+                  "into reasoning and content (as with --reasoning_parser none)", flush=True)
+            reasoning_parser = "none"
         self.reasoning_parser = reasoning_parser
 
-    def jobs(self, body: dict, chat: bool) -> tuple:
-        """The request as Jobs, one a choice: each prompt (a completion's prompt may be a list) n times, each checked
-        against the cache's room; whether to stream, and usage in the stream; and the call that compiles its grammar
-        (a Constraint, or None) for the caller to run off the event loop."""
+    def jobs(self, body: dict, chat: bool, loop: asyncio.AbstractEventLoop) -> tuple:
+        """The request as Jobs, one a choice, their events sent through loop: each prompt (a completion's prompt may
+        be a list) n times, each checked against the cache's room, with the request's grammar compiled; whether to
+        stream, and usage in the stream. Slow work (the template, tokenizing, the grammar): run it in a worker
+        thread, never on the event loop."""
         model = body.get("model")
         if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
@@ -46,8 +51,11 @@ class Requests:
         tools, tool_form, calls = self.tools_of(body, chat)
         if body.get("parallel_tool_calls") not in (None, True, False):
             raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
-        prompts = [self.render(body, messages_of(body), tools)] if chat else self.prompts_of(body.get("prompt"))
-        thinking, split = self.reply_start(body, prompts[0]) if chat else (None, None)
+        if chat:
+            prompt, opening = self.render(body, messages_of(body), tools)
+            prompts, (grammar_start, split_start) = [prompt], self.reply_starts(body, opening)
+        else:
+            prompts, grammar_start, split_start = self.prompts_of(body.get("prompt")), None, None
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -60,34 +68,36 @@ class Requests:
                                     f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
                                limit, "context_length_exceeded")
         stream, options = body.get("stream", False), body.get("stream_options") or {}
-        if not isinstance(stream, bool) or not isinstance(options, dict):
-            raise ApiError(400, "stream must be true or false and stream_options an object", "stream")
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be true or false", "stream")
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
         if body.get("stream_options") is not None and not stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-        reuse, loop, events = body.get("cache_prompt", True) is not False, asyncio.get_running_loop(), asyncio.Queue()
+        reuse, events = body.get("cache_prompt", True) is not False, asyncio.Queue()
         if len(prompts) * n > self.engine.jobs.maxsize:
             raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
                                 f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        compile_grammar = partial(self.call_constraint, tool_form, body["tools"], calls, thinking) if calls \
-            else partial(self.constraint_of, body, thinking)
         if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
             raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
                                 "(or regex, grammar), not both", "tool_choice")
+        constraint = self.call_constraint(tool_form, body["tools"], calls, grammar_start) if calls \
+            else self.constraint_of(body, grammar_start)
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, None, tool_form, body.get("parallel_tool_calls") is False, split, index=i * n + k)
+                    reuse, loop, events, constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
+                    one_call=body.get("parallel_tool_calls") is False, reasoning=split_start, index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
-        return jobs, stream, bool(options.get("include_usage")), compile_grammar
+        return jobs, stream, bool(options.get("include_usage"))
 
-    def reply_start(self, body: dict, prompt: list) -> tuple:
-        """Where a chat prompt leaves the reply (reasoning.reply_start: thinking, may think, answering), None where
-        the template never thinks or --reasoning_parser is none: once for the grammar, which starts where the thinking
-        ends, and once for the split into reasoning_content and content, which separate_reasoning false turns off."""
-        tokenizer, separate = self.engine.tokenizer, body.get("separate_reasoning")
+    def reply_starts(self, body: dict, opening: str) -> tuple:
+        """Where a chat prompt leaves the reply (reasoning.reply_start: thinking, may think, answering), read from
+        the generation prompt alone (a <think> in a user's or a tool's text says nothing), None where the template
+        never thinks or --reasoning_parser is none: once for the grammar, which starts where the thinking ends, and
+        once for the split into reasoning_content and content, which separate_reasoning false turns off."""
+        separate = body.get("separate_reasoning")
         if separate not in (None, True, False):
             raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
-        source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
-        # the generation prompt's end says it, and decoding a whole long prompt would hold up the event loop
-        start = reasoning_start(self.reasoning_parser, source, tokenizer.decode(prompt[-PROMPT_TAIL:]))
+        start = reasoning_start(self.reasoning_parser, self.template, opening)
         if separate and start is None:
             why = "--reasoning_parser none" if self.reasoning_parser == "none" else "the chat template never thinks"
             raise ApiError(400, f"separate_reasoning: this server has no reasoning to separate ({why})",
@@ -122,23 +132,28 @@ class Requests:
         # takes tools in a format eaglet cannot read still shows them
         return (tools if self.engine.tokenizer.takes_tools() else None), "hermes", calls
 
-    def render(self, body: dict, messages: list, tools: Optional[list]) -> list:
-        """A conversation's tokens through the chat template, with the request's chat_template_kwargs and the hints
-        (reasoning_effort, verbosity) as its variables, and its tool call ids as the template takes them; a log line
-        for a hint the template never reads."""
+    def render(self, body: dict, messages: list, tools: Optional[list]) -> tuple:
+        """(A conversation's tokens through the chat template, with the request's chat_template_kwargs and the hints
+        (reasoning_effort, verbosity) as its variables, and its tool call ids as the template takes them; the text the
+        template adds for the reply, its generation prompt, where the template thinks, else ""); a log line for a
+        hint the template never reads."""
         tokenizer, kwargs = self.engine.tokenizer, body.get("chat_template_kwargs") or {}
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
         if not isinstance(kwargs, dict) or reserved & kwargs.keys():
             raise ApiError(400, f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}",
                            "chat_template_kwargs")
         hints = {name: body[name] for name in TEMPLATE_HINTS if body.get(name) is not None}
-        source = (tokenizer.chat_template or "") + (tokenizer.tool_template or "")
-        self.warn_once([name for name in hints if name not in source], "the chat template never reads it")
+        self.warn_once([name for name in hints if name not in self.template], "the chat template never reads it")
         if kwargs or hints:  # a copy of the tokenizer with these variables (no other request sees them)
             tokenizer = copy.copy(tokenizer)
             tokenizer.template_kwargs = {**tokenizer.template_kwargs, **hints, **kwargs}
         try:
-            return tokenizer.encode_chat(ids_for_template(tokenizer, messages), tools)
+            messages = ids_for_template(tokenizer, messages)
+            text, opening = tokenizer.render_chat(messages, tools), ""
+            if self.reasoning_parser == "auto" and template_thinks(self.template):
+                before = tokenizer.render_chat(messages, tools, add_generation_prompt=False)
+                opening = text[len(before):] if text.startswith(before) else text
+            return tokenizer.encode_with_specials(text), opening
         except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
             raise ApiError(400, str(e), "messages")
 

@@ -53,15 +53,20 @@ def split(text: str, start: str) -> tuple:
 class ReasoningStream:
     """split() for a reply that arrives in pieces: feed() each piece, then flush(); each returns the
     (reasoning, content) text it makes known ("" for none). Joined, the pieces are split() of the whole reply
-    (a reasoning of "" is None there): what may yet turn out a tag, or whitespace a tag would strip, is held back."""
+    (a reasoning of "" is None there): what may yet turn out a tag, or whitespace a tag would strip, is held back.
+    reasoning_at and content_at: where in the reply's text the reasoning and the content begin, once either is given
+    (the held text is always the end of what was fed, so its place is known without keeping the reply)."""
 
     def __init__(self, start: str):
         self.phase = {THINKING: "thinking", MAY_THINK: "start", ANSWERING: "answer"}[start]
-        self.held = ""  # text whose role is not known yet
+        self.held = ""  # text whose role is not known yet: the last len(held) characters fed
+        self.fed = 0  # characters fed
+        self.reasoning_at, self.content_at = None, None
         self.thought = False  # whether any reasoning has been given (its leading newlines are stripped until then)
 
     def feed(self, piece: str) -> tuple:
         self.held += piece
+        self.fed += len(piece)
         if self.phase == "start":
             if self.held.startswith(THINK_START):
                 self.held, self.phase = self.held[len(THINK_START):], "thinking"
@@ -69,6 +74,7 @@ class ReasoningStream:
                 self.phase = "answer"
         reasoning = ""
         if self.phase == "thinking":
+            at = self.fed - len(self.held)
             reasoning, end, rest = self.held.partition(THINK_END)
             if end:
                 self.held, self.phase = rest, "after"
@@ -76,26 +82,36 @@ class ReasoningStream:
             else:
                 kept = len(reasoning[:len(reasoning) - partial_tag(reasoning)].rstrip("\n"))
                 reasoning, self.held = reasoning[:kept], reasoning[kept:]
-            reasoning = self.give_reasoning(reasoning)
+            reasoning = self.give_reasoning(reasoning, at)
         if self.phase == "after" and self.held.lstrip(WHITESPACE):
             self.held, self.phase = self.held.lstrip(WHITESPACE), "answer"
-        content = ""
-        if self.phase == "answer":
-            content, self.held = self.held, ""
+        content = self.give_content() if self.phase == "answer" else ""
         return reasoning, content
 
-    def give_reasoning(self, text: str) -> str:
+    def give_reasoning(self, text: str, at: int) -> str:
+        """text, which begins at character at of the reply, as reasoning: its leading newlines go, at its start."""
         if not self.thought:
-            text = text.lstrip("\n")
+            stripped = text.lstrip("\n")
+            at, text = at + len(text) - len(stripped), stripped
+            self.reasoning_at = at if text else None
         self.thought = self.thought or bool(text)
         return text
 
+    def give_content(self) -> str:
+        content, self.held = self.held, ""
+        if content and self.content_at is None:
+            self.content_at = self.fed - len(content)
+        return content
+
     def flush(self) -> tuple:
         """What the held text turns out to be when the reply ends: reasoning cut short, or an unfinished <think>."""
-        held, self.held = self.held, ""
         if self.phase == "thinking":
-            return self.give_reasoning(held.rstrip("\n")), ""
-        return "", held if self.phase in ("start", "answer") else ""
+            held, at, self.held = self.held, self.fed - len(self.held), ""
+            return self.give_reasoning(held.rstrip("\n"), at), ""
+        if self.phase in ("start", "answer"):
+            return "", self.give_content()
+        self.held = ""
+        return "", ""
 
 
 def partial_tag(text: str) -> int:

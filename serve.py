@@ -101,12 +101,13 @@ class Server:
         if self.draining:
             return self.refuse_draining()
         try:
-            jobs, stream, usage_in_stream, compile_grammar = self.requests.jobs(await self.body(request), chat)
-            await self.constrain(jobs, compile_grammar)
+            body = await self.body(request)  # then the template, tokenizing and the grammar in a worker thread:
+            jobs, stream, usage_in_stream = await asyncio.to_thread(  # every other stream's chunks go on meanwhile
+                self.requests.jobs, body, chat, asyncio.get_running_loop())
         except ApiError as e:
             self.engine.metrics.count("refused")
             return e.response()
-        if self.draining:  # it began while the grammar compiled
+        if self.draining:  # it began while the request was prepared
             return self.refuse_draining()
         for queued, job in enumerate(jobs):
             try:
@@ -129,15 +130,6 @@ class Server:
         self.engine.metrics.count("refused")
         return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
 
-    @staticmethod
-    async def constrain(jobs: list, compile_grammar):
-        """The request's grammar compiled once, in a worker thread (a large schema takes a while, and the event loop
-        sends every other stream's chunks meanwhile); each job gets its own copy of the compiled matcher."""
-        constraint = await asyncio.to_thread(compile_grammar)
-        if constraint is not None:
-            for job in jobs:
-                job.constraint = constraint.copy()
-
     async def body(self, request: Request) -> dict:
         raw = await request.body()
         if len(raw) > MAX_BODY:
@@ -149,6 +141,7 @@ class Server:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return body
+
     async def chunks(self, jobs: list, head: dict, chat: bool, usage_in_stream: bool):
         """Server-sent events: one chunk per cycle (its choice's index), a last one per choice with its finish_reason,
         usage if asked, [DONE]. Leaving early (the client went away) cancels the jobs: the engine stops at the end
@@ -190,6 +183,7 @@ class Server:
         self.live.difference_update(jobs)
         for job in jobs:
             job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
+
 
 async def events(jobs: list, request: Optional[Request] = None):
     """The jobs' events, (choice index, kind, value), until each is done; with request, stop early when its

@@ -143,7 +143,7 @@ class Tokenizer:
         OpenAI's function tools, for a template that reads them (takes_tools)."""
         return self.encode_with_specials(self.render_chat(messages, tools))
 
-    def render_chat(self, messages: list, tools: Optional[list] = None) -> str:
+    def render_chat(self, messages: list, tools: Optional[list] = None, add_generation_prompt: bool = True) -> str:
         """The conversation as the chat template writes it, with the variables transformers' apply_chat_template
         gives: tools and documents are defined (None when not given) whether or not there are any."""
         def raise_exception(message):
@@ -155,7 +155,7 @@ class Tokenizer:
         try:
             return env.from_string(template).render(
                 **{"documents": None, **self.template_kwargs}, tools=tools, messages=messages,
-                add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except EagletError:
             raise
         except Exception as e:  # a template is code: whatever it raises (a TypeError as well) is the template's

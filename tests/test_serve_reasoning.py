@@ -75,6 +75,26 @@ def test_a_stream_in_any_pieces_says_what_the_whole_reply_says(start, text, tool
     assert streamed(start, tool_form, list(text)) == (reasoning, content, [call] if call else [])  # a character a cycle
 
 
+@pytest.mark.parametrize("kwargs, start", [({}, MAY_THINK), ({"think_open": True}, THINKING),
+                                           ({"enable_thinking": False}, ANSWERING)])
+def test_the_reply_starts_where_the_generation_prompt_leaves_it(kwargs, start):
+    """Read from what the template adds for the reply, never from the conversation: a user's or a tool's text that
+    holds a <think> opens nothing."""
+    from types import SimpleNamespace
+
+    from openai_requests import Requests
+    from tokenizer import Tokenizer
+    requests = Requests(SimpleNamespace(tokenizer=Tokenizer(ROOT / "demo" / "target", str(TEMPLATE))), ["eaglet"])
+    messages = [{"role": "user", "content": "What does a <think> tag do?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "look_up", "arguments": {"q": "think"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "<think> opens a model's thinking"}]
+    for conversation in (messages[:1], messages):
+        _, opening = requests.render({"chat_template_kwargs": kwargs}, conversation, None)
+        assert requests.reply_starts({}, opening) == (start, start)
+        assert requests.reply_starts({"separate_reasoning": False}, opening) == (start, None)
+
+
 # The real model behind serve.py
 FEW_SHOT = [("Spain", "Madrid"), ("Italy", "Rome"), ("Japan", "Tokyo")]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -333,7 +333,7 @@ def test_mistral_ids_are_mapped_before_its_template_sees_them(tmp_path):
     mapped = [mistral_id(i) for i in ids]
     assert mapped[2] == ids[2] and len(set(mapped)) == 3 and mapped == [mistral_id(i) for i in ids]
     assert all(len(m) == 9 and m.isalnum() for m in mapped)
-    text = tokenizer.decode(Requests(SimpleNamespace(tokenizer=tokenizer), ["eaglet"]).render(body, messages, [CLOCK]))
+    text = tokenizer.decode(Requests(SimpleNamespace(tokenizer=tokenizer), ["eaglet"]).render(body, messages, [CLOCK])[0])
     assert not any(i in text for i in ids[:2])
     for n, m in enumerate(mapped):
         assert f'"arguments": {{"zone": {n}}}, "id": "{m}"}}' in text
