@@ -8,6 +8,7 @@ Imports checkpoint.py (EagletError) only.
 import json
 import re
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -146,14 +147,9 @@ class Tokenizer:
     def render_chat(self, messages: list, tools: Optional[list] = None, add_generation_prompt: bool = True) -> str:
         """The conversation as the chat template writes it, with the variables transformers' apply_chat_template
         gives: tools and documents are defined (None when not given) whether or not there are any."""
-        def raise_exception(message):
-            raise EagletError(f"chat template: {message}")
-
-        env = template_environment()
-        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
         template = self.tool_template if tools is not None and self.tool_template else self.chat_template
         try:
-            return env.from_string(template).render(
+            return compiled_template(template).render(
                 **{"documents": None, **self.template_kwargs}, tools=tools, messages=messages,
                 add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except EagletError:
@@ -183,6 +179,18 @@ class Tokenizer:
             elif part:
                 ids.extend(self.sp.encode(part))
         return ids
+
+
+def raise_exception(message):
+    raise EagletError(f"chat template: {message}")
+
+
+@lru_cache(maxsize=8)
+def compiled_template(source: str):
+    """A chat template compiled once (a server renders it for every request), with the functions templates call."""
+    env = template_environment()
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(source)
 
 
 def template_environment():
