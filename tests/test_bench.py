@@ -558,3 +558,21 @@ def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
         for diff in (v for k, v in row.items() if k.startswith("prompt")):
             assert diff["top2_gap"] < 0.1, diff
     assert rows["all_checked_and_same"] == (not rows["differ_or_failed"])
+
+
+def test_bf16_rows_dry_run_measures_every_operation(tmp_path):
+    """scripts/bf16_rows.py on a CPU (the GPU call's dry run): every operation of both settings measured, nothing
+    failed; the norm, a row-wise operation, equal in every row; each linear timed both ways."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bf16_rows
+    bf16_rows.main(["--out", str(tmp_path / "rows"), "--device", "cpu", "--shape", "tiny", "--rows", "8",
+                    "--context", "16", "--repeats", "2"])
+    results = json.loads((tmp_path / "rows" / "bf16_rows.json").read_text())
+    ops = {"wqkv", "wo", "w13", "w2", "lm_head", "attention_norm", "attention (q/k/v, cache, SDPA, wo)", "logits"}
+    for sections in results["settings"].values():
+        assert set(sections) == ops
+        assert all(r["rows"] == 8 and 0 <= r["rows_equal"] <= 8 for r in sections.values())
+        assert sections["attention_norm"]["rows_equal"] == 8
+        assert all(sections[name]["one_row_us"] > 0 and sections[name]["padded_us"] > 0
+                   for name in ("wqkv", "wo", "w13", "w2", "lm_head"))
+    assert "| defaults | logits |" in (tmp_path / "rows" / "bf16_rows.md").read_text()
