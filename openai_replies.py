@@ -156,8 +156,11 @@ def usage(jobs: list, done: dict) -> dict:
     prompt_tokens = sum(len(job.prompt) for job in prompts)
     completion = sum(reply["usage"]["completion_tokens"] for reply in done.values())
     cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)
+    details = [reply["usage"]["completion_tokens_details"] for reply in done.values()
+               if "completion_tokens_details" in reply["usage"]]
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached}} | (
+        {"completion_tokens_details": {"reasoning_tokens": sum(d["reasoning_tokens"] for d in details)}} if details else {})
 
 
 def reply_parts(job: Job, text: str) -> tuple:

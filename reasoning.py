@@ -50,6 +50,22 @@ def split(text: str, start: str) -> tuple:
     return reasoning.strip("\n") or None, content.lstrip(WHITESPACE) if end else ""
 
 
+def thinking_tokens(decode, tokens: list, start: str) -> int:
+    """How many of a reply's tokens are its thinking (usage's reasoning_tokens): up to the one that completes
+    </think>, all of them where it never comes, none where the reply does not think (as split reads it); decode:
+    the tokenizer's. A search over prefixes: a dozen decodes for thousands of tokens."""
+    text = decode(tokens)
+    if start == ANSWERING or (start == MAY_THINK and not text.startswith(THINK_START)):
+        return 0
+    if THINK_END not in text:
+        return len(tokens)
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds </think>
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if THINK_END in decode(tokens[:mid]) else (mid + 1, hi)
+    return lo
+
+
 class ReasoningStream:
     """split() for a reply that arrives in pieces: feed() each piece, then flush(); each returns the
     (reasoning, content) text it makes known ("" for none). Joined, the pieces are split() of the whole reply

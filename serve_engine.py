@@ -16,6 +16,7 @@ import generate
 from chat import TextStreamer, warm_up
 from decode import SamplingConfig, StepAside, compile_settings, compile_step, decode_one_token, speculative_cycle
 from grammar import grammar_tokenizer, token_bytes
+from reasoning import thinking_tokens
 
 GREEDY = SamplingConfig()
 WARM_UP = [SamplingConfig(t, logprobs=k) for t in (0.0, 1.0) for k in (-1, 0)]
@@ -248,8 +249,11 @@ class Engine:
         if job.constraint is not None:
             self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
                                grammar_cuts=job.constraint.cuts, forced_tokens=job.constraint.forced_tokens)
-        job.send("done", {"finish_reason": finish, "text": streamer.text,
-                          "usage": choice_usage(job.prompt, len(result.tokens), cached),
+        usage = choice_usage(job.prompt, len(result.tokens), cached)
+        if job.reasoning is not None:  # OpenAI's count of a reasoning model's thinking
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking_tokens(
+                self.tokenizer.decode, result.tokens, job.reasoning)}
+        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": usage,
                           "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
                           "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
                                      "tokens_per_s": result.tokens_per_s, "seconds": seconds,

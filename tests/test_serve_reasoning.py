@@ -95,6 +95,19 @@ def test_the_reply_starts_where_the_generation_prompt_leaves_it(kwargs, start):
         assert requests.reply_starts({"separate_reasoning": False}, opening) == (start, None)
 
 
+@pytest.mark.parametrize("pieces, start, thinking", [
+    (["<thi", "nk>", "a", "</th", "ink>", "\n", "b"], MAY_THINK, 5),  # the token that completes </think> counts
+    (["<thi", "nk>", "a", "</th", "ink>", "\n", "b"], ANSWERING, 0),
+    (["Hello", " <think>", "</think>"], MAY_THINK, 0),  # not at the reply's start: no thinking
+    (["a", "b</think>", "c"], THINKING, 2),
+    (["a", "b", "c"], THINKING, 3),  # cut while thinking: all of it
+    (["</think>", "c"], THINKING, 1)])
+def test_reasoning_tokens_count_the_thinking(pieces, start, thinking):
+    from reasoning import thinking_tokens
+    assert thinking_tokens(lambda tokens: "".join(pieces[t] for t in tokens), list(range(len(pieces))), start) == \
+        thinking
+
+
 # The real model behind serve.py
 FEW_SHOT = [("Spain", "Madrid"), ("Italy", "Rome"), ("Japan", "Tokyo")]
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -170,6 +183,13 @@ def test_the_real_model_thinks_then_answers_and_its_thinking_is_apart(thinking_s
     assert opened["reasoning_content"] and opened["content"]  # the prompt opened the thinking: no <think> to write
     off = both(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"enable_thinking": False}})
     assert off["reasoning_content"] is None and "think>" not in off["content"]
+    url, httpx = thinking_server
+    usages = [httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "messages": conversation(), "temperature": 0, "max_tokens": 48, "n": 2, **extra}).json()["usage"]
+        for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+    thinking = usages[0]["completion_tokens_details"]["reasoning_tokens"]
+    assert 2 * 8 <= thinking < usages[0]["completion_tokens"]  # two choices' thinking, "France's capital is Paris."
+    assert usages[1]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 @pytest.mark.slow
