@@ -154,8 +154,19 @@ class Requests:
                 before = tokenizer.render_chat(messages, tools, add_generation_prompt=False)
                 opening = text[len(before):] if text.startswith(before) else text
             return tokenizer.encode_with_specials(text), opening
-        except EagletError as e:  # the checkpoint's template refused the conversation (raise_exception)
-            raise ApiError(400, str(e), "messages")
+        except EagletError as e:  # the template refused: the conversation, or the variables this request gave it
+            raise ApiError(400, str(e), self.blamed(messages, tools, kwargs, hints))
+
+    def blamed(self, messages: list, tools: Optional[list], kwargs: dict, hints: dict) -> str:
+        """The field a template's refusal is named by: the request's variables where the template takes the
+        conversation without them, else messages."""
+        if not (kwargs or hints):
+            return "messages"
+        try:
+            self.engine.tokenizer.render_chat(messages, tools)
+        except EagletError:
+            return "messages"
+        return "chat_template_kwargs" if kwargs else next(iter(hints))
 
     def warn_once(self, names: list, why: str):
         """One log line for each field the reply goes without: the first time a request sends it."""

@@ -699,3 +699,25 @@ def test_agent_frameworks_requests_are_served(server, name):
         json.loads(call["function"]["arguments"])
     elif "response_format" in body and finish == "stop":
         json.loads(message["content"])
+
+
+def test_a_template_refusal_names_the_field_that_caused_it(tmp_path):
+    """A template that raises on a variable the request set names chat_template_kwargs (or the hint); one that
+    raises on the conversation names messages."""
+    from types import SimpleNamespace
+
+    from openai_fields import ApiError
+    from openai_requests import Requests
+    (tmp_path / "t.jinja").write_text("{% if strict %}{{ raise_exception('strict mode') }}{% endif %}"
+                                      "{% if reasoning_effort == 'max' %}{{ raise_exception('no max') }}{% endif %}"
+                                      "{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('bad') }}"
+                                      "{% endif %}{{ m.content }}{% endfor %}")
+    requests = Requests(SimpleNamespace(tokenizer=Tokenizer(DEMO / "target", str(tmp_path / "t.jinja"))), ["eaglet"])
+    for body, content, param in [({"chat_template_kwargs": {"strict": True}}, "x", "chat_template_kwargs"),
+                                 ({"reasoning_effort": "max"}, "x", "reasoning_effort"),
+                                 ({"chat_template_kwargs": {"strict": False}}, "bad", "messages"),
+                                 ({}, "bad", "messages")]:
+        with pytest.raises(ApiError) as refused:
+            requests.render(body, [{"role": "user", "content": content}], None)
+        assert (refused.value.status, refused.value.param) == (400, param)
+    assert requests.render({}, [{"role": "user", "content": "fine"}], None)[0]
