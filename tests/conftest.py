@@ -2,7 +2,9 @@
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -558,3 +560,17 @@ def smollm2(tmp_path_factory):
     convert(path, out_dir=out, log=lambda *_: None)
     convert(path, out_dir=out, log=lambda *_: None, dequantize=True)
     return path, out
+
+
+def launch_server(command: list) -> tuple:
+    """(process, base URL, the lines it printed up to its ready line) of a server command (serve.py, or a script
+    that patches it then runs serve.main) given --port 0, once its ready line names the port."""
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline, lines = time.time() + 120, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("eaglet serving"):
+            return proc, line.split(" at ")[1].split()[0], lines
+        assert time.time() < deadline, "no ready line"
+    raise AssertionError(f"serve.py ended: {proc.wait()}: {''.join(lines[-20:])}")
+

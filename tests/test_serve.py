@@ -5,7 +5,6 @@ bad input's status and error JSON; prefix reuse on a three-turn chat."""
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -13,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, launch_server
 
 openai = pytest.importorskip("openai", reason="the official client: pip install openai")
 try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
@@ -34,17 +33,10 @@ PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n",
 
 def start_server(*flags) -> tuple:
     """(process, base URL) of `python serve.py --port 0 FLAGS`, once its ready line names the port."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--port", "0", *flags], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    for line in proc.stdout:
-        if line.startswith("eaglet serving"):
-            url = line.split(" at ")[1].split()[0]
-            LOGS[url] = []
-            threading.Thread(target=lambda: LOGS[url].extend(proc.stdout), daemon=True).start()  # keep its pipe drained
-            return proc, url
-        assert time.time() < deadline, "no ready line"
-    raise AssertionError(f"serve.py ended: {proc.wait()}")
+    proc, url, _ = launch_server([sys.executable, str(ROOT / "serve.py"), "--port", "0", *flags])
+    LOGS[url] = []
+    threading.Thread(target=lambda: LOGS[url].extend(proc.stdout), daemon=True).start()  # keep its pipe drained
+    return proc, url
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """serve.py --compile compiles before it answers and never while it answers: its warm-up compiles the cycle's
 graphs and the plain step's it steps aside to (greedy or sampled, logprobs or not), then a dozen requests, each with a temperature, top_p, top_k and logprobs of its own,
 compile nothing (torch's graph count, printed by the engine as it finishes each reply) and are all answered."""
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import launch_server
 
 try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
     import httpx2 as httpx
@@ -39,17 +38,8 @@ SETTINGS = [{"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.3, "top_
 
 @pytest.mark.slow  # the cycle and the plain step compiled four times each on a CPU
 def test_a_compiled_server_compiles_nothing_for_new_sampling_settings():
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--port", "0", "--compile"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    proc, url, lines = launch_server([sys.executable, "-c", LAUNCH, "--port", "0", "--compile"])
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("eaglet serving"):
-                url = line.split(" at ")[1].split()[0]
-                break
-        else:
-            raise AssertionError(f"serve.py ended: {proc.wait()}: {''.join(lines[-20:])}")
         warm = int(next(l for l in lines if l.startswith("graphs after warm-up")).split()[-1])
         assert warm == 8  # the cycle's and the plain step's: greedy or sampled, logprobs or not
         for settings in SETTINGS:

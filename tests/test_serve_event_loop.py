@@ -2,14 +2,13 @@
 here (a sleep inside grammar.Constraint, the compile), is compiled once for its n choices and off the loop, so a
 stream already running keeps getting its chunks meanwhile. The bound on the stream's gaps is generous (a loaded
 2-core machine) yet well below SLOW: a compile on the loop would hold every chunk for the whole sleep."""
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import launch_server
 
 pytest.importorskip("llguidance", reason="structured output's grammar engine: pip install llguidance")
 try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
@@ -47,16 +46,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name"],
 
 
 def test_a_slow_grammar_compile_does_not_hold_up_a_running_stream():
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "--port", "0", "--no_draft"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url, _ = launch_server([sys.executable, "-c", LAUNCH, "--port", "0", "--no_draft"])
     lines = []
     try:
-        for line in proc.stdout:
-            if line.startswith("eaglet serving"):
-                url = line.split(" at ")[1].split()[0]
-                break
-        else:
-            raise AssertionError(f"serve.py ended: {proc.wait()}")
         threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
         replies = []
         schema_request = threading.Thread(target=lambda: replies.append(httpx.post(url + "/v1/completions", json={
