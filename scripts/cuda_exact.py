@@ -1,14 +1,19 @@
 """Exactness where it runs: the shipped demo decoded greedily in every way a user can run it on this device, each
 output against plain eager decoding of the same target in the same precision, token for token.
 
-The ways, in the order they are checked (most used first, so a cut budget drops the least used): plain compiled;
-EAGLE-2 eager, compiled (CUDA graphs, running ahead as on CUDA by default), compiled without running ahead;
-EAGLE-3, DFlash and DSpark (chain and tree) compiled; three prompts at once, plain and EAGLE-2; an int4 target, EAGLE-2
-compiled against plain eager on the same int4 weights. Each in bf16 (CUDA's default) and fp32.
+The ways, in the order they are checked (PLAN: a cut budget drops the last): plain compiled; then what is new since
+the last GPU run, in bf16 and fp32 -- EAGLE-2 compiled alone, under a JSON schema (against plain eager under the same
+schema), with logprobs (each against one causal forward over the prompt and the reply), with the prompt prefilled in
+chunks of 4, with a draft window of 16; plain and EAGLE-2 as CUDA graphs captured by hand (EAGLET_GRAPHS=manual's
+CapturedGraphs); the demo's DFlash2 head and random P-EAGLE and XPress heads (bench.py's, of the published shapes on
+the demo's width: they accept next to nothing, yet their tokens must be plain's), chain and tree; then what the last
+GPU run checked: EAGLE-2 eager and without running ahead, EAGLE-3, DFlash and DSpark (chain and tree), three prompts
+at once, an int4 target (EAGLE-2 compiled against plain eager on the same int4 weights).
 
 A difference is reported with its first position and whether it is a near-tie: the top-2 logit gap of plain
 eager decoding there. In fp32 every way must agree; in bf16 compiled kernels round otherwise than eager ones, so
-a flip at a gap of a few hundredths is rounding, and a flip at a wide gap is a bug.
+a flip at a gap of a few hundredths is rounding, and a flip at a wide gap is a bug. Logprobs are reported as their
+largest difference from the causal forward's (in nats); past LOGPROB_TOLERANCE the way fails.
 
     python scripts/gpu_check.py --exact --quick --skip_checks --out results   # as one section of the GPU check
     python scripts/cuda_exact.py --device cpu --out exact.json                  # alone
@@ -17,12 +22,17 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench  # noqa: E402
+import decode  # noqa: E402
 import generate  # noqa: E402
+from attention import causal_mask  # noqa: E402
 from decode import SamplingConfig, TreeConfig, prefill  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import quantize_state_dict  # noqa: E402
@@ -30,32 +40,72 @@ from tokenizer import Tokenizer  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
-HEADS = {"EAGLE-2": "head", "EAGLE-3": "head3", "DFlash": "dflash", "DSpark": "dspark"}
-TREES = {"EAGLE-2": TreeConfig(6, 10, 60), "EAGLE-3": TreeConfig(7, 10, 60), "DFlash chain 8": TreeConfig(6, 1, 8),
-         "DFlash tree 16": TreeConfig(6, 4, 16), "DSpark chain 8": TreeConfig(6, 1, 8),
-         "DSpark tree 16": TreeConfig(6, 4, 16)}
-# name: (head, tree, compiled, run_ahead (None: the device's default), prompts at once)
-WAYS = {"plain, compiled": (None, None, True, None, 1),
-        "EAGLE-2, eager": ("EAGLE-2", "EAGLE-2", False, None, 1),
-        "EAGLE-2, compiled": ("EAGLE-2", "EAGLE-2", True, None, 1),
-        "EAGLE-2, compiled, no running ahead": ("EAGLE-2", "EAGLE-2", True, False, 1),
-        "EAGLE-3, compiled": ("EAGLE-3", "EAGLE-3", True, None, 1),
-        "DFlash chain 8, compiled": ("DFlash", "DFlash chain 8", True, None, 1),
-        "DFlash tree 16, compiled": ("DFlash", "DFlash tree 16", True, None, 1),
-        "DSpark chain 8, compiled": ("DSpark", "DSpark chain 8", True, None, 1),
-        "DSpark tree 16, compiled": ("DSpark", "DSpark tree 16", True, None, 1),
-        "plain, 3 prompts at once, compiled": (None, None, True, None, 3),
-        "EAGLE-2, 3 prompts at once, compiled": ("EAGLE-2", "EAGLE-2", True, None, 3)}
-# (target, way) in the order they are checked: what users run most first, so a cut budget drops the least used.
+# the demo's heads by folder; "random KIND": bench.random_head's head of that kind on the demo target (seed 0)
+HEADS = {"EAGLE-2": "head", "EAGLE-3": "head3", "DFlash": "dflash", "DSpark": "dspark", "DFlash2": "dflash2",
+         "P-EAGLE": "random peagle", "XPress": "random xpress"}
+CHAIN, TREE16 = TreeConfig(6, 1, 8), TreeConfig(6, 4, 16)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "sizes": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 999}, "maxItems": 4}},
+          "required": ["name", "sizes"], "additionalProperties": False}
+LOGPROB_TOLERANCE = {"fp32": 1e-3, "bf16": 0.5, "int4": 0.5}  # nats; bf16 logits near 16 are 0.125 apart
+
+
+@dataclass(frozen=True)
+class Way:
+    head: Optional[str] = None  # a HEADS name; None: plain decoding
+    tree: Optional[TreeConfig] = None
+    compiled: bool = True
+    run_ahead: Optional[bool] = None  # None: the device's default
+    prompts: int = 1  # decoded at once (generate_batch)
+    captured: bool = False  # CapturedGraphs (CUDA only) instead of torch.compile's CUDA-graph trees
+    schema: bool = False  # under SCHEMA, against plain eager under it
+    logprobs: bool = False  # each token's logprob and top 5, against one causal forward
+    chunk: Optional[int] = None  # the prompt prefilled this many tokens a forward
+    window: Optional[int] = None  # the head's draft window (4 sinks)
+
+
+EAGLE2 = TreeConfig(6, 10, 60)
+WAYS = {"plain, compiled": Way(),
+        "EAGLE-2, eager": Way("EAGLE-2", EAGLE2, compiled=False),
+        "EAGLE-2, compiled": Way("EAGLE-2", EAGLE2),
+        "EAGLE-2, compiled, no running ahead": Way("EAGLE-2", EAGLE2, run_ahead=False),
+        "plain, captured graphs": Way(captured=True),
+        "EAGLE-2, captured graphs": Way("EAGLE-2", EAGLE2, captured=True),
+        "EAGLE-2, compiled, a JSON schema": Way("EAGLE-2", EAGLE2, schema=True),
+        "DFlash tree 16, compiled, a JSON schema": Way("DFlash", TREE16, schema=True),
+        "plain, compiled, logprobs": Way(logprobs=True),
+        "EAGLE-2, compiled, logprobs": Way("EAGLE-2", EAGLE2, logprobs=True),
+        "plain, compiled, prefill chunks of 4": Way(chunk=4),
+        "EAGLE-2, compiled, prefill chunks of 4": Way("EAGLE-2", EAGLE2, chunk=4),
+        "EAGLE-2, compiled, draft window 16": Way("EAGLE-2", EAGLE2, window=16),
+        "DFlash tree 16, compiled, draft window 16": Way("DFlash", TREE16, window=16),
+        "EAGLE-3, compiled": Way("EAGLE-3", TreeConfig(7, 10, 60)),
+        "plain, 3 prompts at once, compiled": Way(prompts=3),
+        "EAGLE-2, 3 prompts at once, compiled": Way("EAGLE-2", EAGLE2, prompts=3)}
+for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
+    WAYS[f"{_head} chain 8, compiled"] = Way(_head, CHAIN)
+    WAYS[f"{_head} tree 16, compiled"] = Way(_head, TREE16)
+# What is new since the last GPU run: first the ways that share EAGLE-2's compiled cycle (one compile for the five),
+# then those that compile their own.
+NEW_EAGLE2 = ["EAGLE-2, compiled", "EAGLE-2, compiled, a JSON schema", "EAGLE-2, compiled, logprobs",
+              "EAGLE-2, compiled, prefill chunks of 4", "EAGLE-2, compiled, draft window 16"]
+NEW_OTHERS = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled",
+              "DFlash2 tree 16, compiled", "P-EAGLE chain 8, compiled", "P-EAGLE tree 16, compiled",
+              "XPress chain 8, compiled", "XPress tree 16, compiled", "plain, compiled, logprobs",
+              "plain, compiled, prefill chunks of 4", "DFlash tree 16, compiled, a JSON schema",
+              "DFlash tree 16, compiled, draft window 16"]
+# (target, way) in the order they are checked: the new ways in bf16 and fp32, then what the last GPU run checked.
 # Targets: the demo in bf16 or fp32, or its int4 g128 weights with bf16 activations (CUDA's int4 kernel takes bf16).
-PLAN = [("bf16", "plain, compiled"), ("bf16", "EAGLE-2, eager"), ("bf16", "EAGLE-2, compiled"),
-        ("bf16", "EAGLE-2, compiled, no running ahead"), ("fp32", "EAGLE-2, compiled"),
-        ("bf16", "EAGLE-3, compiled"), ("bf16", "DFlash chain 8, compiled"), ("bf16", "DFlash tree 16, compiled"),
-        ("bf16", "DSpark chain 8, compiled"), ("bf16", "DSpark tree 16, compiled"),
-        ("bf16", "EAGLE-2, 3 prompts at once, compiled"), ("int4", "EAGLE-2, compiled"),
-        ("fp32", "DFlash tree 16, compiled"), ("fp32", "EAGLE-3, compiled"), ("bf16", "plain, 3 prompts at once, compiled"),
-        ("fp32", "plain, compiled"), ("fp32", "DFlash chain 8, compiled"), ("fp32", "EAGLE-2, 3 prompts at once, compiled"),
-        ("int4", "plain, compiled"), ("fp32", "DSpark chain 8, compiled"), ("fp32", "DSpark tree 16, compiled")]
+PLAN = ([("bf16", "plain, compiled")] + [(t, way) for t in ("bf16", "fp32") for way in NEW_EAGLE2]
+        + [(t, way) for t in ("bf16", "fp32") for way in NEW_OTHERS]
+        + [("bf16", "EAGLE-2, eager"), ("bf16", "EAGLE-2, compiled, no running ahead"), ("bf16", "EAGLE-3, compiled"),
+           ("bf16", "DFlash chain 8, compiled"), ("bf16", "DFlash tree 16, compiled"), ("bf16", "DSpark chain 8, compiled"),
+           ("bf16", "DSpark tree 16, compiled"), ("bf16", "EAGLE-2, 3 prompts at once, compiled"),
+           ("int4", "EAGLE-2, compiled"), ("fp32", "DFlash tree 16, compiled"), ("fp32", "EAGLE-3, compiled"),
+           ("bf16", "plain, 3 prompts at once, compiled"), ("fp32", "plain, compiled"),
+           ("fp32", "DFlash chain 8, compiled"), ("fp32", "EAGLE-2, 3 prompts at once, compiled"),
+           ("int4", "plain, compiled"), ("fp32", "DSpark chain 8, compiled"), ("fp32", "DSpark tree 16, compiled")])
 GREEDY = SamplingConfig()
 CACHE = 512
 
@@ -78,14 +128,35 @@ def near_tie(target: Transformer, prompt: list, expected: list, got: list, pos: 
     return row
 
 
-class Engine:
-    """One target, its heads, and plain eager decoding's tokens for each prompt (the reference)."""
+@torch.no_grad()
+def logprob_difference(target: Transformer, result) -> float:
+    """The largest difference, in nats, between a result's logprobs (the chosen token's and the top 5's) and what
+    one causal forward over its prompt and tokens gives at the same positions (no tree, no cache reuse)."""
+    tokens = result.prompt_tokens + result.tokens
+    pos = torch.arange(len(tokens), device=target.output.weight.device)
+    logits, _ = target(torch.tensor([tokens], device=pos.device), pos, pos, causal_mask(pos, len(tokens)))
+    logp = torch.log_softmax(logits[0].float(), dim=-1)[len(result.prompt_tokens) - 1:]
+    if len(result.logprobs) != len(result.tokens):
+        return float("inf")
+    diffs = [abs(chosen - float(logp[i, token])) for i, (token, (chosen, _)) in enumerate(zip(result.tokens, result.logprobs))]
+    diffs += [abs(p - float(logp[i, t])) for i, (_, top) in enumerate(result.logprobs) for t, p in top]
+    return max(diffs, default=0.0)
 
-    def __init__(self, target: Transformer, device: str, prompts: list, n_tokens: int):
-        self.target, self.device = target, device
-        self.heads, self.rows = {}, 0
+
+class Engine:
+    """One target, its heads, and plain eager decoding's tokens for each prompt (the references: free, and under
+    SCHEMA once a way asks for it)."""
+
+    def __init__(self, name: str, target: Transformer, device: str, prompts: list, n_tokens: int):
+        self.name, self.target, self.device, self.prompts, self.n_tokens = name, target, device, prompts, n_tokens
+        self.tokenizer = Tokenizer(DEMO_DIR / "target")
+        self.heads, self.rows, self.expected = {}, 0, {}
         self.set_rows(1)
-        self.expected = [self.run([p], n_tokens)[0][0] for p in prompts]
+
+    def reference(self, schema: bool) -> list:
+        if schema not in self.expected:
+            self.expected[schema] = [self.run([p], Way(compiled=False, schema=schema))[0].tokens for p in self.prompts]
+        return self.expected[schema]
 
     def set_rows(self, rows: int):
         if rows != self.rows:
@@ -98,52 +169,79 @@ class Engine:
         if name is None:
             return None
         if name not in self.heads:
-            self.heads[name] = generate.load_draft(DEMO_DIR / HEADS[name] / "draft.pth", self.target, "full")
+            where = HEADS[name]
+            if where.startswith("random "):
+                torch.manual_seed(0)
+                weight = self.target.tok_embeddings.weight
+                self.heads[name] = bench.random_head(where.split()[1], self.target, weight.device, weight.dtype)
+            else:
+                self.heads[name] = generate.load_draft(DEMO_DIR / where / "draft.pth", self.target, "full")
             self.heads[name].setup_caches(CACHE, self.rows)
         self.target.set_feature_layers(self.heads[name].feature_layers)
         return self.heads[name]
 
-    def run(self, prompts: list, n_tokens: int, head=None, tree=None, compiled=False, run_ahead=None) -> list:
-        """(tokens, accepted lengths) of each prompt."""
+    def constraint(self):
+        from grammar import Constraint, grammar_of  # llguidance: only the schema ways need it
+        return Constraint(self.tokenizer, self.target.args.vocab_size, grammar_of("json_schema", json.dumps(SCHEMA)))
+
+    def run(self, prompts: list, way: Way) -> list:
+        """Each prompt's GenerationResult, decoded the way way says."""
         self.set_rows(len(prompts))
-        draft, tree_config = self.head(head), TREES[tree] if tree else None
-        step = compiled_step((id(self), head, tree, len(prompts)), head is None, self.device) if compiled else None
+        draft = self.head(way.head)
+        step = compiled_step((id(self), way.head, repr(way.tree), len(prompts), way.captured), way.head is None,
+                             self.device, way.captured) if way.compiled else None
+        sampling = SamplingConfig(logprobs=5) if way.logprobs else GREEDY
         if len(prompts) > 1:
-            results = generate.generate_batch(self.target, prompts, n_tokens, GREEDY, draft=draft, tree=tree_config,
-                                              step_fn=step)
-        else:
-            results = [generate.generate(self.target, prompts[0], n_tokens, GREEDY, draft=draft, tree=tree_config,
-                                         step_fn=step, run_ahead=run_ahead)]
-        return [(r.tokens, r.accept_lengths) for r in results]
+            return generate.generate_batch(self.target, prompts, self.n_tokens, sampling, draft=draft, tree=way.tree,
+                                           step_fn=step)
+        window = draft.window if draft is not None else None
+        if way.window:
+            draft.set_window(way.window)
+        try:
+            return [generate.generate(self.target, prompts[0], self.n_tokens, sampling, draft=draft, tree=way.tree,
+                                      step_fn=step, run_ahead=way.run_ahead, prefill_chunk=way.chunk,
+                                      constraint=self.constraint() if way.schema else None)]
+        finally:
+            if way.window:
+                draft.window = window
 
 
 _compiled = {}
 
 
-def compiled_step(key, plain: bool, device: str):
-    """The compiled step or cycle for key (target, head, tree, rows), compiled afresh when the key changes: one
-    graph per function at a time, so never a recompile limit and never a graph of another target replayed."""
+def compiled_step(key, plain: bool, device: str, captured: bool = False):
+    """The compiled step or cycle for key (target, head, tree, rows, captured), compiled afresh when the key changes:
+    one graph per function at a time, so never a recompile limit and never a graph of another target replayed.
+    captured: replayed as CUDA graphs captured by hand (what EAGLET_GRAPHS=manual picks)."""
     if key not in _compiled:
         torch._dynamo.reset()
         _compiled.clear()
-        _compiled[key] = generate.compile_step(generate.decode_one_token if plain else generate.speculative_cycle,
-                                               device)
+        step_fn = generate.decode_one_token if plain else generate.speculative_cycle
+        _compiled[key] = (decode.CapturedGraphs(torch.compile(step_fn, fullgraph=True)) if captured
+                          else generate.compile_step(step_fn, device))
     return _compiled[key]
 
 
-def check_way(engine: Engine, way: str, prompts: list, n_tokens: int) -> dict:
+def check_way(engine: Engine, way_name: str) -> dict:
     """One way against the engine's plain eager tokens: same or not (and where, how close a tie), tau, seconds."""
-    head, tree, compiled, run_ahead, n_prompts = WAYS[way]
+    way = WAYS[way_name]
+    if way.captured and not engine.device.startswith("cuda"):
+        return {"skipped": "CUDA graphs need CUDA"}
     t0 = time.perf_counter()
     try:
-        outputs = engine.run(prompts[:n_prompts], n_tokens, head, tree, compiled, run_ahead)
+        prompts = engine.prompts[:way.prompts]
+        expected = engine.reference(way.schema)
+        results = engine.run(prompts, way)
         row = {"same_tokens": True}
-        for i, (tokens, _) in enumerate(outputs):
-            pos = first_difference(engine.expected[i], tokens)
+        for i, result in enumerate(results):
+            pos = first_difference(expected[i], result.tokens)
             if pos is not None:
                 row["same_tokens"] = False
-                row[f"prompt {i}"] = near_tie(engine.target, prompts[i], engine.expected[i], tokens, pos)
-        accepted = [a for _, lengths in outputs for a in lengths]
+                row[f"prompt {i}"] = near_tie(engine.target, prompts[i], expected[i], result.tokens, pos)
+        if way.logprobs:
+            row["logprob_max_diff"] = round(max(logprob_difference(engine.target, r) for r in results), 5)
+            row["logprobs_close"] = row["logprob_max_diff"] <= LOGPROB_TOLERANCE[engine.name]
+        accepted = [a for r in results for a in r.accept_lengths]
         if accepted:
             row["tau"] = round(sum(accepted) / len(accepted), 3)
     except Exception as e:  # the next way may still run
@@ -159,7 +257,7 @@ def make_engine(name: str, device: str, prompts: list, n_tokens: int) -> Engine:
         weight = target.tok_embeddings.weight
         target = Transformer.from_state_dict(target.args, quantize_state_dict(target.state_dict(), "int4", 128),
                                              weight.device, weight.dtype, "the int4 weights")
-    return Engine(target, device, prompts, n_tokens)
+    return Engine(name, target, device, prompts, n_tokens)
 
 
 def check_all(device: str, plan=PLAN, n_tokens: int = 96, budget_s: float = 300, save=lambda rows: None) -> dict:
@@ -175,11 +273,12 @@ def check_all(device: str, plan=PLAN, n_tokens: int = 96, budget_s: float = 300,
             continue
         if name not in engines:
             engines[name] = make_engine(name, device, prompts, n_tokens)
-        rows["ways"][key] = check_way(engines[name], way, prompts, n_tokens)
+        rows["ways"][key] = check_way(engines[name], way)
         print(f"  {key}: {rows['ways'][key]}", flush=True)
         save(rows)
     ways = rows["ways"].values()
-    rows["differ_or_failed"] = [k for k, row in rows["ways"].items() if row.get("same_tokens") is False or "error" in row]
+    rows["differ_or_failed"] = [k for k, row in rows["ways"].items()
+                                if row.get("same_tokens") is False or row.get("logprobs_close") is False or "error" in row]
     rows["all_checked_and_same"] = not rows["differ_or_failed"] and not any("skipped" in row for row in ways)
     save(rows)
     return rows

@@ -544,7 +544,9 @@ def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
     assert cuda_exact.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert cuda_exact.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert cuda_exact.first_difference([1, 2, 3], [1, 2]) == 2
-    plan = [("fp32", "EAGLE-2, eager"), ("fp32", "DFlash tree 16, compiled"), ("bf16", "EAGLE-3, compiled"),
+    plan = [("fp32", "EAGLE-2, eager"), ("fp32", "EAGLE-2, compiled, a JSON schema"), ("fp32", "EAGLE-2, compiled, logprobs"),
+            ("fp32", "EAGLE-2, compiled, prefill chunks of 4"), ("fp32", "EAGLE-2, compiled, draft window 16"),
+            ("fp32", "DFlash tree 16, compiled"), ("bf16", "EAGLE-3, compiled"),
             ("fp32", "EAGLE-2, 3 prompts at once, compiled"), ("fp32", "DSpark tree 16, compiled")]
     saved = []
     rows = cuda_exact.check_all("cpu", plan, n_tokens=64, budget_s=3600, save=saved.append)
@@ -557,7 +559,10 @@ def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
             assert row["same_tokens"], row
         for diff in (v for k, v in row.items() if k.startswith("prompt")):
             assert diff["top2_gap"] < 0.1, diff
+    assert ways["fp32: EAGLE-2, compiled, logprobs"]["logprobs_close"]  # within 1e-3 nats of one causal forward
     assert rows["all_checked_and_same"] == (not rows["differ_or_failed"])
+    on_cpu = SimpleNamespace(device="cpu")  # CapturedGraphs are CUDA graphs: the way says so, never a CPU row
+    assert cuda_exact.check_way(on_cpu, "EAGLE-2, captured graphs") == {"skipped": "CUDA graphs need CUDA"}
 
 
 def test_bf16_rows_dry_run_measures_every_operation(tmp_path):
