@@ -34,30 +34,33 @@ SCHEMAS = [
 PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def push(self, item):", "Describe the file /etc/hosts as JSON."]
 
 
-def main():
+def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", default=str(ROOT / "demo" / "target" / "model.pth"))
     p.add_argument("--draft_checkpoint_path", default=str(ROOT / "demo" / "head" / "draft.pth"))
     p.add_argument("--chat", action="store_true", help="prompts through the chat template")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model runs (the grammar runs on the host either way)")
     p.add_argument("--max_new_tokens", type=int, default=96)
     p.add_argument("--forced_min", type=int, nargs="+", default=[0, 1, 2, 3],
                    help="the shortest forced runs taken without the target, each measured (0: never)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import decode
     import generate
     from grammar import Constraint, grammar_of
     from tokenizer import Tokenizer
 
-    target = generate.load_target(args.checkpoint_path, "cpu", "fp32", 1024)
+    target = generate.load_target(args.checkpoint_path, args.device, "fp32", 1024)
     draft = generate.load_draft(args.draft_checkpoint_path, target)
     tokenizer = Tokenizer(Path(args.checkpoint_path).parent)
     encode = (lambda text: tokenizer.encode_chat([{"role": "user", "content": text}])) if args.chat else tokenizer.encode
-    prefills, real_prefill = [0], decode.prefill
+    prefills, real_prefill = [0], decode.prefill_chunks
 
-    def counted_prefill(*a, **k):
-        prefills[0] += 1
-        return real_prefill(*a, **k)
-    decode.prefill = counted_prefill
+    def counted_prefill(*a, **k):  # a forward a chunk (generate's prefill goes through prefill_chunks)
+        for chunk in real_prefill(*a, **k):
+            prefills[0] += 1
+            yield chunk
+    decode.prefill_chunks = counted_prefill
     totals = {m: dict(tokens=0, cycles=0, emitted=0, prefills=0, host=0.0, seconds=0.0, forced=0) for m in args.forced_min}
     same = True
     for schema in SCHEMAS:
@@ -81,6 +84,7 @@ def main():
                 t["forced"] += constraint.forced_tokens
                 outs.append(result.tokens)
             same &= all(out == outs[0] for out in outs)
+    decode.prefill_chunks = real_prefill
     print(f"{len(SCHEMAS) - 1} schemas and JSON mode x {len(PROMPTS)} prompts, greedy, {Path(args.checkpoint_path).parent.name} "
           f"with {Path(args.draft_checkpoint_path).parent.name if args.draft_checkpoint_path.endswith('.pth') else Path(args.draft_checkpoint_path).name}; "
           f"the same tokens every way: {same}")

@@ -581,3 +581,37 @@ def test_bf16_rows_dry_run_measures_every_operation(tmp_path):
         assert all(sections[name]["one_row_us"] > 0 and sections[name]["padded_us"] > 0
                    for name in ("wqkv", "wo", "w13", "w2", "lm_head"))
     assert "| defaults | logits |" in (tmp_path / "rows" / "bf16_rows.md").read_text()
+
+
+def test_gpu_calls_every_flag_is_the_scripts_own_and_a_step_is_recorded(tmp_path):
+    """scripts/gpu_calls.py: each step's GPU arguments name flags its script has (a typo would cost a device call,
+    not a CPU test), a step's row is written when it ends, and a folder that holds files is refused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_calls
+    for step in (s for steps in gpu_calls.CALLS.values() for s in steps if s.gpu[0].endswith(".py")):
+        assert step.gpu[0] == step.cpu[0] and (ROOT / step.gpu[0]).is_file()
+        usage = subprocess.run([sys.executable, step.gpu[0], "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+        for flag in (a for a in step.gpu + step.cpu if a.startswith("--")):
+            assert re.search(rf"{flag}\b", usage), (step.name, flag)
+    out = tmp_path / "c1"
+    gpu_calls.main(["--call", "1", "--out", str(out), "--only", "env", "--dry_run", "--commit", "abc1234"])
+    table = (out / "calls.md").read_text()
+    assert "call 1, commit abc1234, CPU dry run" in table and "| env | the machine | 0 |" in table
+    assert "torch" in (out / "env.log").read_text()
+    for argv, said in ((["--call", "1", "--out", str(out)], "not an empty folder"),
+                       (["--call", "2", "--out", str(tmp_path / "c2"), "--only", "speed_ab"], "names none of call 2")):
+        with pytest.raises(SystemExit) as e:
+            gpu_calls.main(argv)
+        assert said in str(e.value)
+
+
+def test_forced_tokens_tau_counts_the_prefills_that_start_segments(capsys):
+    """scripts/forced_tokens_tau.py: every reply starts with a prefill, so its target forwards are at least its cycles
+    plus one a reply (it once counted none when the prefill moved to decode.prefill_chunks)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import forced_tokens_tau
+    forced_tokens_tau.main(["--forced_min", "0", "--max_new_tokens", "4"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].split("|")
+    cycles, prefills, forwards = int(row[3]), int(row[4]), int(row[5])
+    replies = len(forced_tokens_tau.SCHEMAS) * len(forced_tokens_tau.PROMPTS)
+    assert prefills >= replies and forwards == cycles + prefills

@@ -1,0 +1,126 @@
+"""The next GPU round's two calls (round 5), prepared: each call's steps in order, each a fresh process with its own time
+limit, all within --budget_s. A step writes under OUT/<step> (a folder, or OUT/<step>.json / .md) as it goes and its
+output to OUT/<step>.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
+call cut short keeps what it measured. A step that would start with less than half its time left is skipped and says
+so. --dry_run runs the same steps on this CPU with shapes a CPU runs (tiny / reduced): what a session checks before it
+spends device time.
+
+    python scripts/gpu_calls.py --call 1 --out $OUT --commit abc1234   # the speed A/Bs, exactness on CUDA
+    python scripts/gpu_calls.py --call 2 --out $OUT --commit abc1234   # the new drafters' cycles, the grammar's
+                                                                       # host time, long context, bf16 rows
+    python scripts/gpu_calls.py --call 1 --out /tmp/c1 --dry_run       # the CPU dry run of call 1
+
+The structured-output steps need llguidance, which the GPU machine's image lacks: carry its wheel (BENCHMARKS.md,
+"The next GPU calls").
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = ("import platform, torch; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', "
+       "torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")
+
+
+@dataclass
+class Step:
+    name: str
+    item: str  # what it measures
+    seconds: int  # its time limit
+    gpu: list  # the script and its arguments on the GPU; {out} is OUT/<name>
+    cpu: list  # the same on a CPU (--dry_run)
+
+
+def bench_step(kind: str) -> Step:
+    return Step(kind, "the new drafters' cycles", 60,
+                ["bench.py", "--model", "llama3-8b", "--random_head", kind, "--compile", "--repeats", "10",
+                 "--side_tokens", "32", "--out", "{out}"],
+                ["bench.py", "--model", "tiny", "--random_head", kind, "--device", "cpu", "--repeats", "1",
+                 "--side_tokens", "8", "--max_seq_length", "512", "--out", "{out}"])
+
+
+CALLS = {
+    1: [Step("env", "the machine", 30, ["-c", ENV], ["-c", ENV]),
+        Step("speed_ab", "the speed A/Bs and a timeline", 200,
+             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256"],
+             ["scripts/speed_ab.py", "--out", "{out}", "--device", "cpu", "--shape", "reduced", "--tokens", "24",
+              "--repeats", "2", "--budget_s", "60"]),
+        Step("exact", "correctness on CUDA", 130,
+             ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
+             ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
+    2: [bench_step("peagle"), bench_step("dflash2"), bench_step("xpress"),
+        Step("grammar", "the grammar's host time a cycle", 30,
+             ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1"],
+             ["scripts/forced_tokens_tau.py", "--device", "cpu", "--forced_min", "1", "--max_new_tokens", "16"]),
+        Step("long", "long context", 100,
+             ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
+              "1024,8192,32768", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
+              "--chunks", "2048", "--new_tokens", "32", "--out", "{out}.md"],
+             ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
+              "plain,head,window", "--random_head", "dflash", "--window", "128", "--chunks", "256", "--new_tokens", "16",
+              "--out", "{out}.md"]),
+        Step("bf16_rows", "where bf16 parts speculative from plain", 70,
+             ["scripts/bf16_rows.py", "--out", "{out}"],
+             ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
+              "16", "--repeats", "2"])],
+}
+
+
+def run_step(step: Step, out: Path, dry_run: bool, limit: float) -> tuple:
+    """(exit status or None if stopped at its limit, seconds)."""
+    args = [a.replace("{out}", str(out / step.name)) for a in (step.cpu if dry_run else step.gpu)]
+    t0 = time.perf_counter()
+    with open(out / f"{step.name}.log", "w") as log:
+        # a new process group: a step stopped at its limit takes the processes it started with it
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--call", type=int, choices=sorted(CALLS), required=True)
+    p.add_argument("--out", type=Path, required=True, help="a folder, empty or new")
+    p.add_argument("--budget_s", type=float, default=340, help="the whole call's seconds (the device tool's limit: 600)")
+    p.add_argument("--commit", default="unknown", help="the commit that runs (the device's copy has no history)")
+    p.add_argument("--only", default="", help="comma-separated step names to run (default: all of the call's)")
+    p.add_argument("--dry_run", action="store_true", help="the same steps on this CPU, on shapes a CPU runs")
+    args = p.parse_args(argv)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        sys.exit(f"error: {args.out} is not an empty folder; give a new one")
+    steps = [s for s in CALLS[args.call] if not args.only or s.name in args.only.split(",")]
+    if not steps:
+        sys.exit(f"error: --only names none of call {args.call}'s steps ({', '.join(s.name for s in CALLS[args.call])})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = args.out / "calls.md"
+    table.write_text(f"call {args.call}, commit {args.commit}, {'CPU dry run' if args.dry_run else 'GPU'}, "
+                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                     "| step | measures | exit | seconds | limit |\n| --- | --- | --- | --- | --- |\n")
+    deadline = time.perf_counter() + args.budget_s
+    for step in steps:
+        left = deadline - time.perf_counter()
+        if left < step.seconds / 2:
+            row = f"| {step.name} | {step.item} | skipped: {left:.0f} s left | | {step.seconds} |"
+        else:
+            limit = min(step.seconds, left)
+            print(f"{step.name} ({step.item}), at most {limit:.0f} s", flush=True)
+            rc, seconds = run_step(step, args.out, args.dry_run, limit)
+            row = f"| {step.name} | {step.item} | {'stopped at its limit' if rc is None else rc} | {seconds:.0f} | {limit:.0f} |"
+        with open(table, "a") as f:
+            f.write(row + "\n")
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
