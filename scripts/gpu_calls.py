@@ -36,14 +36,6 @@ class Step:
     cpu: list  # the same on a CPU (--dry_run)
 
 
-def bench_step(kind: str) -> Step:
-    return Step(kind, "the new drafters' cycles", 60,
-                ["bench.py", "--model", "llama3-8b", "--random_head", kind, "--compile", "--repeats", "10",
-                 "--side_tokens", "32", "--out", "{out}"],
-                ["bench.py", "--model", "tiny", "--random_head", kind, "--device", "cpu", "--repeats", "1",
-                 "--side_tokens", "8", "--max_seq_length", "512", "--out", "{out}"])
-
-
 CALLS = {
     1: [Step("env", "the machine", 30, ["-c", ENV], ["-c", ENV]),
         Step("speed_ab", "the speed A/Bs and a timeline", 200,
@@ -53,18 +45,21 @@ CALLS = {
         Step("exact", "correctness on CUDA", 130,
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
-    2: [bench_step("peagle"), bench_step("dflash2"), bench_step("xpress"),
-        Step("grammar", "the grammar's host time a cycle", 30,
+    2: [Step("cycles", "the new drafters' cycles beside DFlash's and EAGLE-2's", 170,
+             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "140"],
+             ["scripts/drafter_cycles.py", "--out", "{out}", "--shape", "tiny", "--device", "cpu", "--repeats", "2",
+              "--rows", "DFlash chain,XPress tree 32"]),
+        Step("grammar", "the grammar's host time a cycle", 20,
              ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1"],
              ["scripts/forced_tokens_tau.py", "--device", "cpu", "--forced_min", "1", "--max_new_tokens", "16"]),
-        Step("long", "long context", 100,
+        Step("long", "long context", 90,
              ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
               "1024,8192,32768", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
               "--chunks", "2048", "--new_tokens", "32", "--out", "{out}.md"],
              ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
               "plain,head,window", "--random_head", "dflash", "--window", "128", "--chunks", "256", "--new_tokens", "16",
               "--out", "{out}.md"]),
-        Step("bf16_rows", "where bf16 parts speculative from plain", 70,
+        Step("bf16_rows", "where bf16 parts speculative from plain", 60,
              ["scripts/bf16_rows.py", "--out", "{out}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
               "16", "--repeats", "2"])],

@@ -615,3 +615,21 @@ def test_forced_tokens_tau_counts_the_prefills_that_start_segments(capsys):
     cycles, prefills, forwards = int(row[3]), int(row[4]), int(row[5])
     replies = len(forced_tokens_tau.SCHEMAS) * len(forced_tokens_tau.PROMPTS)
     assert prefills >= replies and forwards == cycles + prefills
+
+
+@pytest.mark.slow
+def test_drafter_cycles_dry_run_writes_each_row_as_it_goes(tmp_path):
+    """scripts/drafter_cycles.py on a CPU (the GPU call's dry run): the plain step and a block drafter's chain of its
+    whole block, compiled, in plain steps and against its bytes floor; an --out that exists is refused."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import drafter_cycles
+    out = tmp_path / "cycles"
+    drafter_cycles.main(["--out", str(out), "--shape", "tiny", "--device", "cpu", "--repeats", "1",
+                         "--rows", "XPress chain"])
+    rows = json.loads((out / "cycles.json").read_text())["rows"]
+    xpress = rows["XPress chain"]
+    assert xpress["tree"] == [14, 1, 16] and xpress["draft_passes"] == 1  # the published block of 16, one pass
+    assert xpress["phases"]["whole cycle"]["ms"] > 0 and xpress["floor_ms"] > 0
+    assert "| XPress chain | 16 | 1 |" in (out / "cycles.md").read_text()
+    with pytest.raises(SystemExit, match="--out .* exists"):
+        drafter_cycles.main(["--out", str(out), "--shape", "tiny", "--device", "cpu"])
