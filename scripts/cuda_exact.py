@@ -90,15 +90,16 @@ for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
 # then those that compile their own.
 NEW_EAGLE2 = ["EAGLE-2, compiled", "EAGLE-2, compiled, a JSON schema", "EAGLE-2, compiled, logprobs",
               "EAGLE-2, compiled, prefill chunks of 4", "EAGLE-2, compiled, draft window 16"]
-NEW_OTHERS = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled",
-              "DFlash2 tree 16, compiled", "P-EAGLE chain 8, compiled", "P-EAGLE tree 16, compiled",
-              "XPress chain 8, compiled", "XPress tree 16, compiled", "plain, compiled, logprobs",
-              "plain, compiled, prefill chunks of 4", "DFlash tree 16, compiled, a JSON schema",
-              "DFlash tree 16, compiled, draft window 16"]
-# (target, way) in the order they are checked: the new ways in bf16 and fp32, then what the last GPU run checked.
-# Targets: the demo in bf16 or fp32, or its int4 g128 weights with bf16 activations (CUDA's int4 kernel takes bf16).
-PLAN = ([("bf16", "plain, compiled")] + [(t, way) for t in ("bf16", "fp32") for way in NEW_EAGLE2]
-        + [(t, way) for t in ("bf16", "fp32") for way in NEW_OTHERS]
+NEW_FIRST = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled", "P-EAGLE chain 8, compiled",
+             "XPress chain 8, compiled"]
+NEW_LATER = ["DFlash2 tree 16, compiled", "P-EAGLE tree 16, compiled", "XPress tree 16, compiled",
+             "plain, compiled, logprobs", "plain, compiled, prefill chunks of 4", "DFlash tree 16, compiled, a JSON schema",
+             "DFlash tree 16, compiled, draft window 16"]
+# (target, way) in the order they are checked: the new ways, bf16 before fp32 in each group, then what the last GPU run
+# checked. Targets: the demo in bf16 or fp32, or its int4 g128 weights with bf16 activations (CUDA's int4 kernel takes
+# bf16).
+PLAN = ([("bf16", "plain, compiled")] + [(t, way) for group in (NEW_EAGLE2, NEW_FIRST, NEW_LATER)
+                                         for t in ("bf16", "fp32") for way in group]
         + [("bf16", "EAGLE-2, eager"), ("bf16", "EAGLE-2, compiled, no running ahead"), ("bf16", "EAGLE-3, compiled"),
            ("bf16", "DFlash chain 8, compiled"), ("bf16", "DFlash tree 16, compiled"), ("bf16", "DSpark chain 8, compiled"),
            ("bf16", "DSpark tree 16, compiled"), ("bf16", "EAGLE-2, 3 prompts at once, compiled"),

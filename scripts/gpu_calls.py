@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = ("import platform, torch; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', "
        "torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")
 
+# speed_ab's rows, the defaults' A/B first (a row starting late in the budget is cut): graphs, then the vocabulary, split
+SPEED_ROWS = ("plain/trees,plain/captured,eagle2/trees/draft_vocab,eagle2/captured/draft_vocab,eagle2/trees/whole,"
+              "eagle2/trees/draft_vocab/split,eagle2/captured/draft_vocab/split")
+
 
 @dataclass
 class Step:
@@ -39,7 +43,7 @@ class Step:
 CALLS = {
     1: [Step("env", "the machine", 30, ["-c", ENV], ["-c", ENV]),
         Step("speed_ab", "the speed A/Bs and a timeline", 200,
-             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256"],
+             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256", "--rows", SPEED_ROWS],
              ["scripts/speed_ab.py", "--out", "{out}", "--device", "cpu", "--shape", "reduced", "--tokens", "24",
               "--repeats", "2", "--budget_s", "60"]),
         Step("exact", "correctness on CUDA", 130,
