@@ -1,7 +1,7 @@
 """Every drafter's cycle on one target of a named shape (random weights, bf16 on CUDA), compiled, whole (a cycle
-phase by phase compiles five graphs: a minute or more each on the 8B shape): EAGLE-2's 60/6/10 tree, then a chain
-of the whole block for each block drafter of the published shapes (DFlash, P-EAGLE, DFlash2, XPress: bench.py's
-random heads), then 32-token trees from one pass of the newer ones -- each beside the plain step (its time in plain
+phase by phase compiles five graphs: a minute or more each on the 8B shape): a chain of the whole block for each
+block drafter of the published shapes (P-EAGLE, DFlash2, XPress, DFlash: bench.py's random heads), EAGLE-2's 60/6/10
+tree, then 32-token trees from one pass of the newer ones -- each beside the plain step (its time in plain
 steps) and its bytes floor. One target, one process: the rows compare like with like. Random heads accept next to
 nothing: what is measured is what a cycle costs, not what it emits. A row is written to OUT/cycles.md and
 OUT/cycles.json as soon as it is measured; a row that would start after --budget_s is skipped and says so.
@@ -17,10 +17,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli import cli_parser, int_flag  # noqa: E402
 
-# name: (bench.random_head's kind, the tree: None for a chain of the head's whole block, else (topk, total tokens))
-ROWS = {"EAGLE-2 60/6/10": ("eagle", (10, 60)), "DFlash chain": ("dflash", None), "P-EAGLE chain": ("peagle", None),
-        "DFlash2 chain": ("dflash2", None), "XPress chain": ("xpress", None), "P-EAGLE tree 32": ("peagle", (4, 32)),
-        "DFlash2 tree 32": ("dflash2", (4, 32)), "XPress tree 32": ("xpress", (4, 32))}
+# name: (bench.random_head's kind, the tree: None for a chain of the head's whole block, else (topk, total tokens)), the
+# newer drafters first (a row starting late in the budget is cut). The EAGLE-2 head drafts over the whole vocabulary.
+ROWS = {"P-EAGLE chain": ("peagle", None), "DFlash2 chain": ("dflash2", None), "XPress chain": ("xpress", None),
+        "DFlash chain": ("dflash", None), "EAGLE-2 60/6/10 whole vocabulary": ("eagle", (10, 60)),
+        "P-EAGLE tree 32": ("peagle", (4, 32)), "DFlash2 tree 32": ("dflash2", (4, 32)), "XPress tree 32": ("xpress", (4, 32))}
 
 
 def parse_args(argv=None):
@@ -31,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int_flag(1), default=10, help="back-to-back cycles timed per row")
     p.add_argument("--budget_s", type=int_flag(1), default=300, help="start no row after this many seconds")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS))
+    p.add_argument("--commit", default=None, help="the commit that runs (default: git's; a copy without history has none)")
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.rows if r not in ROWS]
@@ -56,7 +58,7 @@ def main(argv=None):
     plain = bench.bench_plain(target, True, copy_bw, args.repeats)
     args.out.mkdir(parents=True)
     results = {"setup": {"shape": args.shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
-                         "precision": str(dtype), "commit": bench.git_commit(), "date": time.strftime("%Y-%m-%d"),
+                         "precision": str(dtype), "commit": args.commit or bench.git_commit(), "date": time.strftime("%Y-%m-%d"),
                          "command": "python scripts/drafter_cycles.py " + " ".join(sys.argv[1:] if argv is None else argv),
                          "copy_GB_per_s": copy_bw / 1e9},
                "plain": plain, "rows": {}}
@@ -81,6 +83,9 @@ def main(argv=None):
             continue
         kind, shape = ROWS[name]
         try:
+            # each row compiled afresh: dynamo would otherwise make later rows' sizes symbolic (not the graphs a run
+            # uses) and stop at its recompile limit
+            torch._dynamo.reset()
             if kind not in heads:
                 heads.clear()  # one random head at a time on the device
                 heads[kind] = bench.random_head(kind, target, device, dtype)

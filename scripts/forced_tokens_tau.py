@@ -47,7 +47,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     import decode
     import generate
-    from grammar import Constraint, grammar_of
     from tokenizer import Tokenizer
 
     target = generate.load_target(args.checkpoint_path, args.device, "fp32", 1024)
@@ -61,6 +60,29 @@ def main(argv=None):
             prefills[0] += 1
             yield chunk
     decode.prefill_chunks = counted_prefill
+    try:
+        totals, same = measure(args, target, draft, tokenizer, encode, prefills)
+    finally:
+        decode.prefill_chunks = real_prefill
+    print(f"{len(SCHEMAS) - 1} schemas and JSON mode x {len(PROMPTS)} prompts, greedy, {Path(args.checkpoint_path).parent.name} "
+          f"with {Path(args.draft_checkpoint_path).parent.name if args.draft_checkpoint_path.endswith('.pth') else Path(args.draft_checkpoint_path).name}; "
+          f"the same tokens every way: {same}")
+    print("| forced runs | tokens | cycles | prefills | target forwards | tokens / forward | tau (cycles) | forced tokens "
+          "| grammar host ms / cycle | seconds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for forced_min, t in totals.items():
+        forwards = t["cycles"] + t["prefills"]
+        print(f"| {f'{forced_min}+' if forced_min else 'off'} | {t['tokens']} | {t['cycles']} | {t['prefills']} | {forwards} | "
+              f"{t['tokens'] / forwards:.2f} | {t['emitted'] / max(t['cycles'], 1):.2f} | {t['forced']} | "
+              f"{1e3 * t['host'] / max(t['cycles'], 1):.3f} | {t['seconds']:.2f} |")
+
+
+def measure(args, target, draft, tokenizer, encode, prefills: list) -> tuple:
+    """Each schema x prompt x forced_min, greedy with the head: totals by forced_min, and whether every forced_min
+    gave the same tokens."""
+    import decode
+    import generate
+    from grammar import Constraint, grammar_of
     totals = {m: dict(tokens=0, cycles=0, emitted=0, prefills=0, host=0.0, seconds=0.0, forced=0) for m in args.forced_min}
     same = True
     for schema in SCHEMAS:
@@ -84,18 +106,7 @@ def main(argv=None):
                 t["forced"] += constraint.forced_tokens
                 outs.append(result.tokens)
             same &= all(out == outs[0] for out in outs)
-    decode.prefill_chunks = real_prefill
-    print(f"{len(SCHEMAS) - 1} schemas and JSON mode x {len(PROMPTS)} prompts, greedy, {Path(args.checkpoint_path).parent.name} "
-          f"with {Path(args.draft_checkpoint_path).parent.name if args.draft_checkpoint_path.endswith('.pth') else Path(args.draft_checkpoint_path).name}; "
-          f"the same tokens every way: {same}")
-    print("| forced runs | tokens | cycles | prefills | target forwards | tokens / forward | tau (cycles) | forced tokens "
-          "| grammar host ms / cycle | seconds |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for forced_min, t in totals.items():
-        forwards = t["cycles"] + t["prefills"]
-        print(f"| {f'{forced_min}+' if forced_min else 'off'} | {t['tokens']} | {t['cycles']} | {t['prefills']} | {forwards} | "
-              f"{t['tokens'] / forwards:.2f} | {t['emitted'] / max(t['cycles'], 1):.2f} | {t['forced']} | "
-              f"{1e3 * t['host'] / max(t['cycles'], 1):.3f} | {t['seconds']:.2f} |")
+    return totals, same
 
 
 def timed(method, spent: list):

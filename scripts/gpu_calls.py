@@ -36,7 +36,7 @@ class Step:
     name: str
     item: str  # what it measures
     seconds: int  # its time limit
-    gpu: list  # the script and its arguments on the GPU; {out} is OUT/<name>
+    gpu: list  # the script and its arguments on the GPU; {out} is OUT/<name>, {commit} --commit
     cpu: list  # the same on a CPU (--dry_run)
 
 
@@ -49,30 +49,31 @@ CALLS = {
         Step("exact", "correctness on CUDA", 130,
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
-    2: [Step("cycles", "the new drafters' cycles beside DFlash's and EAGLE-2's", 170,
-             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "140"],
+    2: [Step("cycles", "the new drafters' cycles beside DFlash's and EAGLE-2's", 150,
+             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "120", "--commit", "{commit}"],
              ["scripts/drafter_cycles.py", "--out", "{out}", "--shape", "tiny", "--device", "cpu", "--repeats", "2",
               "--rows", "DFlash chain,XPress tree 32"]),
-        Step("grammar", "the grammar's host time a cycle", 20,
-             ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1"],
+        Step("grammar", "the grammar's host time a cycle", 30,
+             ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1", "--max_new_tokens", "48"],
              ["scripts/forced_tokens_tau.py", "--device", "cpu", "--forced_min", "1", "--max_new_tokens", "16"]),
-        Step("long", "long context", 90,
-             ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
-              "1024,8192,32768", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
-              "--chunks", "2048", "--new_tokens", "32", "--out", "{out}.md"],
-             ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
-              "plain,head,window", "--random_head", "dflash", "--window", "128", "--chunks", "256", "--new_tokens", "16",
-              "--out", "{out}.md"]),
         Step("bf16_rows", "where bf16 parts speculative from plain", 60,
              ["scripts/bf16_rows.py", "--out", "{out}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
-              "16", "--repeats", "2"])],
+              "16", "--repeats", "2"]),
+        Step("long", "long context", 90,
+             ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
+              "32768,8192,1024", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
+              "--chunks", "2048", "--new_tokens", "32", "--out", "{out}.md"],
+             ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
+              "plain,head,window", "--random_head", "dflash", "--window", "128", "--chunks", "256", "--new_tokens", "16",
+              "--out", "{out}.md"])],
 }
 
 
-def run_step(step: Step, out: Path, dry_run: bool, limit: float) -> tuple:
+def run_step(step: Step, out: Path, dry_run: bool, limit: float, commit: str) -> tuple:
     """(exit status or None if stopped at its limit, seconds)."""
-    args = [a.replace("{out}", str(out / step.name)) for a in (step.cpu if dry_run else step.gpu)]
+    args = [a.replace("{out}", str(out / step.name)).replace("{commit}", commit)
+            for a in (step.cpu if dry_run else step.gpu)]
     t0 = time.perf_counter()
     with open(out / f"{step.name}.log", "w") as log:
         # a new process group: a step stopped at its limit takes the processes it started with it
@@ -91,7 +92,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--call", type=int, choices=sorted(CALLS), required=True)
     p.add_argument("--out", type=Path, required=True, help="a folder, empty or new")
-    p.add_argument("--budget_s", type=float, default=340, help="the whole call's seconds (the device tool's limit: 600)")
+    p.add_argument("--budget_s", type=float, default=320, help="the whole call's seconds (the device tool's limit: 600)")
     p.add_argument("--commit", default="unknown", help="the commit that runs (the device's copy has no history)")
     p.add_argument("--only", default="", help="comma-separated step names to run (default: all of the call's)")
     p.add_argument("--dry_run", action="store_true", help="the same steps on this CPU, on shapes a CPU runs")
@@ -114,7 +115,7 @@ def main(argv=None):
         else:
             limit = min(step.seconds, left)
             print(f"{step.name} ({step.item}), at most {limit:.0f} s", flush=True)
-            rc, seconds = run_step(step, args.out, args.dry_run, limit)
+            rc, seconds = run_step(step, args.out, args.dry_run, limit, args.commit)
             row = f"| {step.name} | {step.item} | {'stopped at its limit' if rc is None else rc} | {seconds:.0f} | {limit:.0f} |"
         with open(table, "a") as f:
             f.write(row + "\n")

@@ -560,6 +560,8 @@ def test_cuda_exact_checks_each_way_against_plain_eager_on_cpu():
         for diff in (v for k, v in row.items() if k.startswith("prompt")):
             assert diff["top2_gap"] < 0.1, diff
     assert ways["fp32: EAGLE-2, compiled, logprobs"]["logprobs_close"]  # within 1e-3 nats of one causal forward
+    # the window reached the head: the same tokens from other drafts (the logprobs way drafts as plain EAGLE-2 does)
+    assert ways["fp32: EAGLE-2, compiled, draft window 16"]["tau"] != ways["fp32: EAGLE-2, compiled, logprobs"]["tau"]
     assert rows["all_checked_and_same"] == (not rows["differ_or_failed"])
     on_cpu = SimpleNamespace(device="cpu")  # CapturedGraphs are CUDA graphs: the way says so, never a CPU row
     assert cuda_exact.check_way(on_cpu, "EAGLE-2, captured graphs") == {"skipped": "CUDA graphs need CUDA"}
@@ -608,15 +610,15 @@ def test_gpu_calls_every_flag_is_the_scripts_own_and_a_step_is_recorded(tmp_path
 
 
 def test_forced_tokens_tau_counts_the_prefills_that_start_segments(capsys):
-    """scripts/forced_tokens_tau.py: every reply starts with a prefill, so its target forwards are at least its cycles
-    plus one a reply (it once counted none when the prefill moved to decode.prefill_chunks)."""
+    """scripts/forced_tokens_tau.py: every reply starts with a prefill, so the prefills it counts are at least one a
+    reply (it once counted none when the prefill moved to decode.prefill_chunks)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import forced_tokens_tau
     forced_tokens_tau.main(["--forced_min", "0", "--max_new_tokens", "4"])
     row = capsys.readouterr().out.strip().splitlines()[-1].split("|")
-    cycles, prefills, forwards = int(row[3]), int(row[4]), int(row[5])
+    cycles, prefills = int(row[3]), int(row[4])
     replies = len(forced_tokens_tau.SCHEMAS) * len(forced_tokens_tau.PROMPTS)
-    assert prefills >= replies and forwards == cycles + prefills
+    assert prefills >= replies and cycles > 0
 
 
 @pytest.mark.slow
