@@ -27,6 +27,7 @@ SETTINGS = {"defaults": (True, True), "reduced precision and split-K off": (Fals
 def parse_args(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--out", type=Path, required=True, help="a new folder for bf16_rows.json and bf16_rows.md")
+    p.add_argument("--commit", default=None, help="the commit that runs (default: git's; a copy without history has none)")
     p.add_argument("--shape", default="llama3-8b", help="a bench.py shape: llama3-8b, llama2-7b, ... tiny (a dry run)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--rows", type=int_flag(2, 512), default=60, help="rows of the many-row call (a verify's tree)")
@@ -152,7 +153,7 @@ def main(argv=None):
     tokens = torch.randint(0, target.args.vocab_size, (1, args.context + args.rows), device=device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = {"setup": {"shape": args.shape, "device_name": name, "date": time.strftime("%Y-%m-%d"),
-                         "commit": bench.git_commit(), "dtype": "bf16", "rows": args.rows, "context": args.context,
+                         "commit": args.commit or bench.git_commit(), "dtype": "bf16", "rows": args.rows, "context": args.context,
                          "command": "python " + " ".join(sys.argv if argv is None else ["scripts/bf16_rows.py", *argv])},
                "settings": {}}
     for setting, value in SETTINGS.items():

@@ -1,7 +1,7 @@
 """The next GPU round's two calls (round 5), prepared: each call's steps in order, each a fresh process with its own time
 limit, all within --budget_s. A step writes under OUT/<step> (a folder, or OUT/<step>.json / .md) as it goes and its
-output to OUT/<step>.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
-call cut short keeps what it measured. A step that would start with less than half its time left is skipped and says
+output to OUT/calls.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
+call cut short keeps what it measured. Call 1 leaves 6 files, call 2 7: a GPU loan may bring back no more than 8. A step that would start with less than half its time left is skipped and says
 so. --dry_run runs the same steps on this CPU with shapes a CPU runs (tiny / reduced): what a session checks before it
 spends device time.
 
@@ -43,9 +43,10 @@ class Step:
 CALLS = {
     1: [Step("env", "the machine", 30, ["-c", ENV], ["-c", ENV]),
         Step("speed_ab", "the speed A/Bs and a timeline", 200,
-             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256", "--rows", SPEED_ROWS],
+             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256", "--rows", SPEED_ROWS,
+              "--commit", "{commit}"],
              ["scripts/speed_ab.py", "--out", "{out}", "--device", "cpu", "--shape", "reduced", "--tokens", "24",
-              "--repeats", "2", "--budget_s", "60", "--rows", SPEED_ROWS]),
+              "--repeats", "2", "--budget_s", "60", "--rows", SPEED_ROWS, "--commit", "{commit}"]),
         Step("exact", "correctness on CUDA", 130,
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
@@ -57,9 +58,9 @@ CALLS = {
              ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1", "--max_new_tokens", "48"],
              ["scripts/forced_tokens_tau.py", "--device", "cpu", "--forced_min", "1", "--max_new_tokens", "16"]),
         Step("bf16_rows", "where bf16 parts speculative from plain", 60,
-             ["scripts/bf16_rows.py", "--out", "{out}"],
+             ["scripts/bf16_rows.py", "--out", "{out}", "--commit", "{commit}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
-              "16", "--repeats", "2"]),
+              "16", "--repeats", "2", "--commit", "{commit}"]),
         Step("long", "long context", 90,
              ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
               "32768,8192,1024", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
@@ -75,7 +76,9 @@ def run_step(step: Step, out: Path, dry_run: bool, limit: float, commit: str) ->
     args = [a.replace("{out}", str(out / step.name)).replace("{commit}", commit)
             for a in (step.cpu if dry_run else step.gpu)]
     t0 = time.perf_counter()
-    with open(out / f"{step.name}.log", "w") as log:
+    with open(out / "calls.log", "a") as log:
+        log.write(f"== {step.name}: {' '.join(args)}\n")
+        log.flush()
         # a new process group: a step stopped at its limit takes the processes it started with it
         proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

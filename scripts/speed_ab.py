@@ -9,7 +9,7 @@ acceptance: the demo head's), greedy, --tokens new tokens a run:
   among them, so tau is the same and the row measures what the smaller lm_head saves);
 - split attention (EAGLET_SPLIT=1) off and on;
 - a torch.profiler timeline of a few cycles of the first EAGLE-2 row: device busy time against wall time
-  (OUT/timeline.json opens in chrome://tracing or Perfetto).
+  (OUT/timeline.json.gz, gzip: it opens in Perfetto as it is, in chrome://tracing once unzipped).
 
 Each row is written to OUT/speed_ab.json and OUT/speed_ab.md as soon as it is measured; a row that would start
 after --budget_s is skipped and says so. Every row's tokens are compared with the first plain row's.
@@ -41,7 +41,7 @@ ROWS = {
 
 def parse_args(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--out", type=Path, required=True, help="a new folder for speed_ab.json, speed_ab.md, timeline.json")
+    p.add_argument("--out", type=Path, required=True, help="a new folder for speed_ab.json, speed_ab.md, timeline.json.gz")
     p.add_argument("--shape", default="llama3-8b", help="llama2-7b, llama3-8b or reduced (a CPU dry run)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tokens", type=int_flag(2), default=256, help="new tokens a run")
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--budget_s", type=int_flag(1), default=330, help="start no row after this many seconds")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS) + " (trees: torch.compile's CUDA-graph trees; captured: "
                    "EAGLET_GRAPHS=manual; draft_vocab: the default draft vocabulary; split: EAGLET_SPLIT=1)")
+    p.add_argument("--commit", default=None, help="the commit that runs (default: git's; a copy without history has none)")
     args = p.parse_args(argv)
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.rows if r not in ROWS]
@@ -118,7 +119,7 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
            "same_tokens_as_plain": None if plain_tokens is None else result.tokens == plain_tokens,
            "tokens": result.tokens}
     if speculative and args.timeline and not args.timeline_done:
-        row["timeline"] = timeline(target, prompt, fn, kwargs, args.out / "timeline.json")
+        row["timeline"] = timeline(target, prompt, fn, kwargs, args.out / "timeline.json.gz")
         args.timeline_done = True
     return row
 
@@ -173,7 +174,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = {"setup": {"shape": args.shape, "device_name": name, "date": time.strftime("%Y-%m-%d"),
-                         "commit": bench.git_commit(), "tokens": args.tokens, "copy_GB_per_s": copy_bw / 1e9,
+                         "commit": args.commit or bench.git_commit(), "tokens": args.tokens, "copy_GB_per_s": copy_bw / 1e9,
                          "command": "python " + " ".join(sys.argv if argv is None else ["scripts/speed_ab.py", *argv])},
                "rows": {}}
     t0, plain_tokens = time.perf_counter(), None

@@ -601,7 +601,8 @@ def test_gpu_calls_every_flag_is_the_scripts_own_and_a_step_is_recorded(tmp_path
     gpu_calls.main(["--call", "1", "--out", str(out), "--only", "env", "--dry_run", "--commit", "abc1234"])
     table = (out / "calls.md").read_text()
     assert "call 1, commit abc1234, CPU dry run" in table and "| env | the machine | 0 |" in table
-    assert "torch" in (out / "env.log").read_text()
+    assert "== env: -c" in (out / "calls.log").read_text() and "torch" in (out / "calls.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["calls.log", "calls.md"]  # one log for every step: few files
     for argv, said in ((["--call", "1", "--out", str(out)], "not an empty folder"),
                        (["--call", "2", "--out", str(tmp_path / "c2"), "--only", "speed_ab"], "names none of call 2")):
         with pytest.raises(SystemExit) as e:
@@ -637,3 +638,21 @@ def test_drafter_cycles_dry_run_writes_each_row_as_it_goes(tmp_path):
     assert "| XPress chain | 16 | 1 |" in (out / "cycles.md").read_text()
     with pytest.raises(SystemExit, match="--out .* exists"):
         drafter_cycles.main(["--out", str(out), "--shape", "tiny", "--device", "cpu"])
+
+
+@pytest.mark.slow
+def test_speed_ab_dry_run_measures_its_rows_against_plain(tmp_path):
+    """scripts/speed_ab.py on a CPU (the first GPU call's first step, dry): each row's tokens against the first plain
+    row's, its time outside the call, the commit it was given; a row past the budget says so."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import speed_ab
+    out = tmp_path / "ab"
+    speed_ab.main(["--out", str(out), "--device", "cpu", "--shape", "reduced", "--tokens", "8", "--repeats", "1",
+                   "--rows", "plain/trees,eagle2/trees/draft_vocab", "--commit", "abc1234"])
+    results = json.loads((out / "speed_ab.json").read_text())
+    assert results["setup"]["commit"] == "abc1234"
+    plain, spec = results["rows"]["plain/trees"], results["rows"]["eagle2/trees/draft_vocab"]
+    assert spec["same_tokens_as_plain"] is True and spec["tau"] > 1  # the demo's head, inflated, accepts
+    assert plain["call_ms"] > 0 and spec["call_ms"] > plain["call_ms"]  # a 60-token verify and 7 draft passes
+    assert "timeline" in spec and (out / "timeline.json.gz").is_file()  # compressed: a GPU call brings back files of limited size
+    assert "| eagle2/trees/draft_vocab |" in (out / "speed_ab.md").read_text()
