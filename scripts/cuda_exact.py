@@ -2,13 +2,14 @@
 output against plain eager decoding of the same target in the same precision, token for token.
 
 The ways, in the order they are checked (PLAN: a cut budget drops the last): plain compiled; then what is new since
-the last GPU run, in bf16 and fp32 -- EAGLE-2 compiled alone, under a JSON schema (against plain eager under the same
-schema), with logprobs (each against one causal forward over the prompt and the reply), with the prompt prefilled in
-chunks of 4, with a draft window of 16; plain and EAGLE-2 as CUDA graphs captured by hand (EAGLET_GRAPHS=manual's
-CapturedGraphs); the demo's DFlash2 head and random P-EAGLE and XPress heads (bench.py's, of the published shapes on
-the demo's width: they accept next to nothing, yet their tokens must be plain's), chain and tree; then what the last
-GPU run checked: EAGLE-2 eager and without running ahead, EAGLE-3, DFlash and DSpark (chain and tree), three prompts
-at once, an int4 target (EAGLE-2 compiled against plain eager on the same int4 weights).
+the last GPU run -- in bf16 first what no CPU can check (plain and EAGLE-2 as CUDA graphs captured by hand,
+EAGLET_GRAPHS=manual's CapturedGraphs; the demo's DFlash2 head and random P-EAGLE and XPress heads, bench.py's, of the
+published shapes on the demo's width: they accept next to nothing, yet their tokens must be plain's, as chains), then
+EAGLE-2 compiled alone, under a JSON schema (against plain eager under the same schema), with logprobs (each against
+one causal forward over the prompt and the reply), with the prompt prefilled in chunks of 4, with a draft window of
+16; the same in fp32; then the new heads' trees and the rest; then what the last GPU run checked: EAGLE-2 eager and
+without running ahead, EAGLE-3, DFlash and DSpark (chain and tree), three prompts at once, an int4 target (EAGLE-2
+compiled against plain eager on the same int4 weights).
 
 A difference is reported with its first position and whether it is a near-tie: the top-2 logit gap of plain
 eager decoding there. In fp32 every way must agree; in bf16 compiled kernels round otherwise than eager ones, so
@@ -86,8 +87,8 @@ WAYS = {"plain, compiled": Way(),
 for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
     WAYS[f"{_head} chain 8, compiled"] = Way(_head, CHAIN)
     WAYS[f"{_head} tree 16, compiled"] = Way(_head, TREE16)
-# What is new since the last GPU run: first the ways that share EAGLE-2's compiled cycle (one compile for the five),
-# then those that compile their own.
+# What is new since the last GPU run, in three groups: the ways that share EAGLE-2's compiled cycle (one compile for the
+# five), what no CPU can check (CapturedGraphs, the new heads' CUDA kernels), the rest.
 NEW_EAGLE2 = ["EAGLE-2, compiled", "EAGLE-2, compiled, a JSON schema", "EAGLE-2, compiled, logprobs",
               "EAGLE-2, compiled, prefill chunks of 4", "EAGLE-2, compiled, draft window 16"]
 NEW_FIRST = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled", "P-EAGLE chain 8, compiled",
