@@ -93,6 +93,7 @@ def run_step(step: Step, out: Path, dry_run: bool, limit: float, commit: str) ->
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: sys.exit(f"error: {message}")  # one line, as every eaglet tool says a mistake
     p.add_argument("--call", type=int, choices=sorted(CALLS), required=True)
     p.add_argument("--out", type=Path, required=True, help="a folder, empty or new")
     p.add_argument("--budget_s", type=float, default=320, help="the whole call's seconds (the device tool's limit: 600)")
@@ -100,6 +101,8 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated step names to run (default: all of the call's)")
     p.add_argument("--dry_run", action="store_true", help="the same steps on this CPU, on shapes a CPU runs")
     args = p.parse_args(argv)
+    if not 0 < args.budget_s < float("inf"):
+        p.error(f"--budget_s must be a positive number of seconds, got {args.budget_s}")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         sys.exit(f"error: {args.out} is not an empty folder; give a new one")
     steps = [s for s in CALLS[args.call] if not args.only or s.name in args.only.split(",")]

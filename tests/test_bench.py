@@ -604,7 +604,9 @@ def test_gpu_calls_every_flag_is_the_scripts_own_and_a_step_is_recorded(tmp_path
     assert "== env: -c" in (out / "calls.log").read_text() and "torch" in (out / "calls.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["calls.log", "calls.md"]  # one log for every step: few files
     for argv, said in ((["--call", "1", "--out", str(out)], "not an empty folder"),
-                       (["--call", "2", "--out", str(tmp_path / "c2"), "--only", "speed_ab"], "names none of call 2")):
+                       (["--call", "2", "--out", str(tmp_path / "c2"), "--only", "speed_ab"], "names none of call 2"),
+                       (["--call", "2", "--out", str(tmp_path / "c2"), "--budget_s", "nan"], "positive number"),
+                       (["--call", "3", "--out", str(tmp_path / "c2")], "error: argument --call")):
         with pytest.raises(SystemExit) as e:
             gpu_calls.main(argv)
         assert said in str(e.value)
