@@ -1,9 +1,9 @@
 """The next GPU round's two calls (round 5), prepared: each call's steps in order, each a fresh process with its own time
 limit, all within --budget_s. A step writes under OUT/<step> (a folder, or OUT/<step>.json / .md) as it goes and its
 output to OUT/calls.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
-call cut short keeps what it measured. Call 1 leaves 6 files, call 2 7: a GPU loan may bring back no more than 8. A step that would start with less than half its time left is skipped and says
-so. --dry_run runs the same steps on this CPU with shapes a CPU runs (tiny / reduced): what a session checks before it
-spends device time.
+call cut short keeps what it measured. Call 1 leaves 6 files, call 2 7: a GPU loan may bring back no more than 8. A
+step that would start with less than half its time left is skipped and says so. --dry_run runs the same steps on this
+CPU with shapes a CPU runs (tiny / reduced): what a session checks before it spends device time.
 
     python scripts/gpu_calls.py --call 1 --out $OUT --commit abc1234   # the speed A/Bs, exactness on CUDA
     python scripts/gpu_calls.py --call 2 --out $OUT --commit abc1234   # the new drafters' cycles, the grammar's
