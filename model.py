@@ -178,13 +178,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# At most this many elements a cache buffer. torch.compile indexes a kernel in 64 bits when a buffer it reads holds
+# more, and torch 2.11's flex_attention kernel then fails to compile (a ternary of int64 and int32): seen on an H200
+# with LLaMA-3-8B's shape at 33k slots, where one buffer of every layer holds 2.2 billion elements.
+MAX_BUFFER_ELEMENTS = 2**31 - 1
+
+
 class KVCache(nn.Module):
-    """Every layer's keys and values in one buffer [n_layer, 2, B, H, S, D]: moving an accepted tree path into
-    place is one gather and one scatter for all layers, not a pair per layer and per K and V."""
+    """Every layer's keys and values in buffers [layers, 2, B, H, S, D]: one for all layers unless that would hold
+    more than MAX_BUFFER_ELEMENTS, then as few as keep under it. Moving an accepted tree path into place is one
+    gather and one scatter a buffer, not a pair per layer and per K and V."""
     def __init__(self, n_layer, max_batch_size, max_seq_length, n_heads, head_dim, dtype):
         super().__init__()
-        shape = (n_layer, 2, max_batch_size, n_heads, max_seq_length, head_dim)
-        self.register_buffer("kv", torch.zeros(shape, dtype=dtype), persistent=False)
+        one_layer = (2, max_batch_size, n_heads, max_seq_length, head_dim)
+        self.layers_per_buffer = max(1, MAX_BUFFER_ELEMENTS // math.prod(one_layer))
+        self.n_buffers = -(-n_layer // self.layers_per_buffer)
+        for j in range(self.n_buffers):
+            n = min(self.layers_per_buffer, n_layer - j * self.layers_per_buffer)
+            self.register_buffer(self.buffer_name(j), torch.zeros((n,) + one_layer, dtype=dtype), persistent=False)
+
+    @staticmethod
+    def buffer_name(j: int) -> str:
+        return "kv" if j == 0 else f"kv{j}"  # kv alone in all but very long caches
+
+    def kv_buffers(self) -> list:
+        return [getattr(self, self.buffer_name(j)) for j in range(self.n_buffers)]
 
     def layer(self, i: int) -> "LayerCache":
         return LayerCache(self, i)
@@ -192,26 +210,32 @@ class KVCache(nn.Module):
     def compact(self, src_slots: Tensor, dst_slots: Tensor):
         """K/V of every layer moved from src_slots to dst_slots: [n] in every row, or [B, n] per row. The source
         is read whole before anything is written, so overlapping ranges are safe."""
-        if src_slots.ndim == 1:
-            self.kv.index_copy_(4, dst_slots, self.kv.index_select(4, src_slots))
-        else:
-            rows = torch.arange(src_slots.shape[0], device=src_slots.device)[:, None]
-            self.kv[:, :, rows, :, dst_slots] = self.kv[:, :, rows, :, src_slots]
+        for kv in self.kv_buffers():
+            if src_slots.ndim == 1:
+                kv.index_copy_(4, dst_slots, kv.index_select(4, src_slots))
+            else:
+                rows = torch.arange(src_slots.shape[0], device=src_slots.device)[:, None]
+                kv[:, :, rows, :, dst_slots] = kv[:, :, rows, :, src_slots]
 
 
 class LayerCache:
     """One layer's part of a KVCache (what its Attention writes and reads). A plain object, not a module: the
-    compiled graph sees the one shared buffer, never 2 x n_layer aliasing views of it."""
+    compiled graph sees the shared buffer, never 2 x n_layer aliasing views of it."""
     def __init__(self, cache: KVCache, layer: int):
-        self.cache, self.index = cache, layer
+        self.cache = cache
+        self.buffer, self.index = divmod(layer, cache.layers_per_buffer)
+
+    @property
+    def kv(self) -> Tensor:  # the buffer that holds this layer
+        return getattr(self.cache, KVCache.buffer_name(self.buffer))
 
     @property
     def k_cache(self) -> Tensor:  # [B, H, S, D]
-        return self.cache.kv[self.index, 0]
+        return self.kv[self.index, 0]
 
     @property
     def v_cache(self) -> Tensor:
-        return self.cache.kv[self.index, 1]
+        return self.kv[self.index, 1]
 
     def update(self, cache_slots: Tensor, k: Tensor, v: Tensor):
         """k, v [B, H, T, D] to cache_slots: [T], the same slots in every row, or [B, T], each row its own.
@@ -219,7 +243,7 @@ class LayerCache:
         One index_put_ on the whole buffer, an index tensor for each of its first five dimensions. Written
         through a view instead (kv[layer][:, :, slots] = k), torch.compile turns the write into a copy of the
         WHOLE buffer, every layer, every step; the base written at explicit indices stays in place."""
-        kv, device = self.cache.kv, k.device
+        kv, device = self.kv, k.device
         bsz, n_kv, n_new, _ = k.shape
         layer = torch.full((1, 1, 1, 1), self.index, device=device)
         k_or_v = torch.arange(2, device=device).view(2, 1, 1, 1)

@@ -120,7 +120,7 @@ def run_one(args, case: str, n: int, chunk: int) -> dict:
     draft = load_draft(args.draft_checkpoint_path, model) if case != "plain" else None
     if case == "window":
         draft.set_window(args.window)
-    kv = model.kv_cache.kv.nbytes + (draft.kv_cache.kv.nbytes if draft is not None else 0)
+    kv = sum(b.nbytes for c in (model.kv_cache, draft and draft.kv_cache) if c for b in c.kv_buffers())
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + \
         (sum(p.numel() * p.element_size() for p in draft.parameters()) if draft is not None else 0)
     generate(model, prompt[:64], 8, SamplingConfig(), draft=draft, tree=tree)  # warm-up: the kernels' first calls
@@ -154,7 +154,8 @@ def run_shapes(args, lengths: list, cases: list, chunk: int):
     compile_settings(target, args.device)
     steps = {fn: compile_step(fn, args.device) if args.compile else fn for fn in (decode_one_token, speculative_cycle)}
     vocab = SHAPES[args.shape]["vocab_size"]
-    weights_kv = sum(p.numel() * p.element_size() for p in target.parameters()) + target.kv_cache.kv.nbytes
+    weights_kv = sum(p.numel() * p.element_size() for p in target.parameters()) + \
+        sum(b.nbytes for b in target.kv_cache.kv_buffers())
     for n in lengths:
         prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for case in cases:

@@ -13,7 +13,8 @@ import bench
 from draft import EagleDraft
 from decode import SamplingConfig, TreeConfig, compile_step, decode_one_token, generate, generate_batch, \
     speculative_cycle
-from model import ModelArgs, Transformer
+import model
+from model import KVCache, ModelArgs, Transformer
 from quantize import quantize_state_dict
 
 CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -99,3 +100,36 @@ def test_compiled_batch_cycle_writes_only_its_slots():
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
     assert [r.accept_lengths for r in compiled] == [r.accept_lengths for r in eager]
     check_touches_one_layer_at_most(sizes, target, draft)
+
+
+def test_llama3_8b_cache_at_33k_slots_is_two_buffers_each_indexed_in_32_bits():
+    """One buffer of every layer at 33k slots holds 2.2 billion elements: inductor then indexes in 64 bits and
+    torch 2.11's flex_attention kernel fails to compile (seen on an H200). Each buffer stays under 2**31."""
+    with torch.device("meta"):
+        short, long = (KVCache(32, 1, slots, 8, 128, torch.bfloat16) for slots in (32_000, 33_000))
+    assert short.n_buffers == 1
+    assert long.n_buffers == 2 and [b.shape[0] for b in long.kv_buffers()] == [31, 1]
+    assert all(b.numel() <= 2**31 - 1 for b in long.kv_buffers())
+
+
+def test_cache_in_several_buffers_decodes_as_one(monkeypatch):
+    """Each layer in a buffer of its own: plain (eager and compiled), speculative and batched decoding give the
+    same tokens, accepted lengths and cache contents as one buffer of every layer."""
+    prompts = [[1, 5, 9], [1, 7, 8, 9, 10, 11]]
+
+    def run(target, draft):
+        plain = generate(target, prompts[0], 6, GREEDY).tokens
+        compiled = generate(target, prompts[0], 6, GREEDY, step_fn=compile_step(decode_one_token, "cpu")).tokens
+        spec = generate(target, prompts[0], 8, GREEDY, draft=draft, tree=TREE)
+        batch = generate_batch(target, prompts, 8, GREEDY, draft=draft, tree=TREE)
+        return (plain, compiled, spec.tokens, spec.accept_lengths, [(r.tokens, r.accept_lengths) for r in batch],
+                torch.cat(target.kv_cache.kv_buffers()))
+
+    one = run(*models(rows=2))
+    monkeypatch.setattr(model, "MAX_BUFFER_ELEMENTS", 2 * 2 * 2 * SLOTS * 32)  # one layer: K and V, 2 rows, 2 heads
+    target, draft = models(rows=2)
+    assert target.kv_cache.n_buffers == 2
+    split = run(target, draft)
+    torch._dynamo.reset()
+    assert split[:5] == one[:5] and one[0] == one[1]
+    assert torch.equal(split[5], one[5])
