@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli import cli_parser, int_flag  # noqa: E402
 
-SETTINGS = {"defaults": (True, True), "reduced precision and split-K off": (False, False)}
+SETTINGS = {"defaults": (True, True), "reduced precision and split-K off (cuBLASLt)": (False, False)}
 
 
 def parse_args(argv=None):
@@ -40,7 +40,8 @@ def parse_args(argv=None):
 
 
 def set_reduction(torch, device: str, setting: tuple):
-    if device == "cuda":
+    if device == "cuda":  # torch 2.11 turns split-K off only under cuBLASLt (under cuBLAS an H200 raised an error)
+        torch.backends.cuda.preferred_blas_library("cublas" if setting[1] else "cublaslt")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = setting
 
 

@@ -88,7 +88,7 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
     from head_formats import default_draft_vocab
     speculative, graphs, vocab, split = ROWS[name]
     GREEDY = SamplingConfig()
-    decode.MANUAL_GRAPHS, attention.SPLIT_ATTENTION = graphs == "manual", split
+    decode.GRAPHS, attention.SPLIT_ATTENTION = graphs, split
     torch._dynamo.reset()
     draft.draft_to_target = draft.vocab_lm_head = None  # the whole vocabulary
     if vocab:

@@ -133,3 +133,16 @@ def test_cache_in_several_buffers_decodes_as_one(monkeypatch):
     torch._dynamo.reset()
     assert split[:5] == one[:5] and one[0] == one[1]
     assert torch.equal(split[5], one[5])
+
+
+def test_cuda_plain_step_is_captured_by_default_and_the_cycle_on_graph_trees(monkeypatch):
+    """The defaults that a GPU measured (the plain step as CapturedGraphs) and EAGLET_GRAPHS's two overrides. Only
+    wrappers are built here: nothing runs, so no GPU is needed."""
+    import decode
+    kinds = lambda: [type(compile_step(fn, "cuda")).__name__ for fn in (decode_one_token, speculative_cycle)]
+    assert kinds()[0] == "CapturedGraphs" and kinds()[1] != "CapturedGraphs"
+    monkeypatch.setattr(decode, "GRAPHS", "manual")
+    assert kinds() == ["CapturedGraphs", "CapturedGraphs"]
+    monkeypatch.setattr(decode, "GRAPHS", "trees")
+    assert "CapturedGraphs" not in kinds()
+    assert type(compile_step(decode_one_token, "cpu")).__name__ != "CapturedGraphs"
