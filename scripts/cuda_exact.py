@@ -91,16 +91,17 @@ for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
 # five), what no CPU can check (CapturedGraphs, the new heads' CUDA kernels), the rest.
 NEW_EAGLE2 = ["EAGLE-2, compiled", "EAGLE-2, compiled, a JSON schema", "EAGLE-2, compiled, logprobs",
               "EAGLE-2, compiled, prefill chunks of 4", "EAGLE-2, compiled, draft window 16"]
-NEW_FIRST = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled", "P-EAGLE chain 8, compiled",
-             "XPress chain 8, compiled"]
+NEW_FIRST = ["XPress chain 8, compiled"]
+# checked in bf16 on an H200 in GPU round 6 (2026-11-28): after the ways no GPU has checked yet
+ROUND6 = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled", "P-EAGLE chain 8, compiled"]
 NEW_LATER = ["DFlash2 tree 16, compiled", "P-EAGLE tree 16, compiled", "XPress tree 16, compiled",
              "plain, compiled, logprobs", "plain, compiled, prefill chunks of 4", "DFlash tree 16, compiled, a JSON schema",
              "DFlash tree 16, compiled, draft window 16"]
 # (target, way) in the order they are checked: the new ways (in bf16 what no CPU can check first: CapturedGraphs, the
 # new heads' CUDA kernels), then what the last GPU run checked. Targets: the demo in bf16 or fp32, or its int4 g128
 # weights with bf16 activations (CUDA's int4 kernel takes bf16).
-PLAN = ([("bf16", "plain, compiled")] + [("bf16", way) for way in NEW_FIRST + NEW_EAGLE2]
-        + [("fp32", way) for way in NEW_EAGLE2 + NEW_FIRST] + [(t, way) for t in ("bf16", "fp32") for way in NEW_LATER]
+PLAN = ([("bf16", way) for way in NEW_FIRST + NEW_EAGLE2] + [("fp32", way) for way in NEW_EAGLE2 + NEW_FIRST + ROUND6]
+        + [(t, way) for t in ("bf16", "fp32") for way in NEW_LATER] + [("bf16", way) for way in ["plain, compiled"] + ROUND6]
         + [("bf16", "EAGLE-2, eager"), ("bf16", "EAGLE-2, compiled, no running ahead"), ("bf16", "EAGLE-3, compiled"),
            ("bf16", "DFlash chain 8, compiled"), ("bf16", "DFlash tree 16, compiled"), ("bf16", "DSpark chain 8, compiled"),
            ("bf16", "DSpark tree 16, compiled"), ("bf16", "EAGLE-2, 3 prompts at once, compiled"),

@@ -1,4 +1,4 @@
-"""The next GPU round's two calls (round 5), prepared: each call's steps in order, each a fresh process with its own time
+"""The next GPU round's two calls (round 7), prepared: each call's steps in order, each a fresh process with its own time
 limit, all within --budget_s. A step writes under OUT/<step> (a folder, or OUT/<step>.json / .md) as it goes and its
 output to OUT/calls.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
 call cut short keeps what it measured. Call 1 leaves 6 files, call 2 7: a GPU loan may bring back no more than 8. A
@@ -6,8 +6,8 @@ step that would start with less than half its time left is skipped and says so. 
 CPU with shapes a CPU runs (tiny / reduced): what a session checks before it spends device time.
 
     python scripts/gpu_calls.py --call 1 --out $OUT --commit abc1234   # the speed A/Bs, exactness on CUDA
-    python scripts/gpu_calls.py --call 2 --out $OUT --commit abc1234   # the new drafters' cycles, the grammar's
-                                                                       # host time, long context, bf16 rows
+    python scripts/gpu_calls.py --call 2 --out $OUT --commit abc1234   # long context, the new drafters' cycles,
+                                                                       # bf16 rows
     python scripts/gpu_calls.py --call 1 --out /tmp/c1 --dry_run       # the CPU dry run of call 1
 
 The structured-output steps need llguidance, which the GPU machine's image lacks: carry its wheel (BENCHMARKS.md,
@@ -26,9 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = ("import platform, torch; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', "
        "torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")
 
-# speed_ab's rows, the defaults' A/B first (a row starting late in the budget is cut): graphs, then the vocabulary, split
-SPEED_ROWS = ("plain/trees,plain/captured,eagle2/trees/draft_vocab,eagle2/captured/draft_vocab,eagle2/trees/whole,"
-              "eagle2/trees/draft_vocab/split,eagle2/captured/draft_vocab/split")
+# speed_ab's rows, the cycle's graphs A/B first (a row starting late in the budget is cut); GPU round 6 measured the
+# plain rows and eagle2/trees/draft_vocab alone (BENCHMARKS.md), which comes again here as the A/B's other half
+SPEED_ROWS = ("eagle2/trees/draft_vocab,eagle2/captured/draft_vocab,eagle2/captured/draft_vocab/split,"
+              "eagle2/trees/whole")
+# round 6 measured P-EAGLE's chain; each row compiles its cycle afresh, about 50 s on the 8B shape
+CYCLE_ROWS = "DFlash2 chain,XPress chain,DFlash chain,P-EAGLE tree 32"
 
 
 @dataclass
@@ -50,24 +53,21 @@ CALLS = {
         Step("exact", "correctness on CUDA", 130,
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
-    2: [Step("cycles", "the new drafters' cycles beside DFlash's and EAGLE-2's", 150,
-             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "120", "--commit", "{commit}"],
+    2: [Step("long", "long context (round 6: the plain step failed to compile at 32k; fixed, unmeasured)", 150,
+             ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
+              "32768,8192", "--cases", "plain,head", "--random_head", "eagle", "--chunks", "2048", "--new_tokens", "32",
+              "--out", "{out}.md"],
+             ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
+              "plain,head", "--random_head", "eagle", "--chunks", "256", "--new_tokens", "16", "--out", "{out}.md"]),
+        Step("cycles", "the new drafters' cycles", 130,
+             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "100", "--rows", CYCLE_ROWS,
+              "--commit", "{commit}"],
              ["scripts/drafter_cycles.py", "--out", "{out}", "--shape", "tiny", "--device", "cpu", "--repeats", "2",
-              "--rows", "DFlash chain,XPress tree 32", "--commit", "{commit}"]),
-        Step("grammar", "the grammar's host time a cycle", 30,
-             ["scripts/forced_tokens_tau.py", "--device", "cuda", "--forced_min", "1", "--max_new_tokens", "48"],
-             ["scripts/forced_tokens_tau.py", "--device", "cpu", "--forced_min", "1", "--max_new_tokens", "16"]),
-        Step("bf16_rows", "where bf16 parts speculative from plain", 60,
+              "--rows", "DFlash chain,P-EAGLE tree 32", "--commit", "{commit}"]),
+        Step("bf16_rows", "where bf16 parts speculative from plain (split-K off under cuBLASLt)", 40,
              ["scripts/bf16_rows.py", "--out", "{out}", "--commit", "{commit}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
-              "16", "--repeats", "2", "--commit", "{commit}"]),
-        Step("long", "long context", 90,
-             ["scripts/long_context.py", "--shape", "llama3-8b", "--device", "cuda", "--compile", "--lengths",
-              "32768,8192,1024", "--cases", "plain,head,window", "--random_head", "eagle", "--window", "2048",
-              "--chunks", "2048", "--new_tokens", "32", "--out", "{out}.md"],
-             ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
-              "plain,head,window", "--random_head", "dflash", "--window", "128", "--chunks", "256", "--new_tokens", "16",
-              "--out", "{out}.md"])],
+              "16", "--repeats", "2", "--commit", "{commit}"])],
 }
 
 
