@@ -228,7 +228,11 @@ class DrainingUvicorn(uvicorn.Server):
                 for job in live:
                     job.cancelled.set()
                 self.stage = "cancelled"
-            self.should_exit = not live or waited >= self.grace + self.CANCEL_WAIT
+            if not live or waited >= self.grace + self.CANCEL_WAIT:
+                print("shutting down: " + ("every reply ended" if not live else
+                      f"{len(live)} replies still running: exiting anyway") + f", {waited:.2f} s after the signal",
+                      flush=True)
+                self.should_exit = True
         return await super().on_tick(counter)
 
 

@@ -13,7 +13,7 @@ import torch
 
 import bench
 import generate
-from conftest import (ROOT, SHARED, expect_error, head_config, make_agreeing_eagle3_pair, make_agreeing_pair,
+from conftest import (HANG_S, ROOT, SHARED, expect_error, head_config, make_agreeing_eagle3_pair, make_agreeing_pair,
                       random_head_weights, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
@@ -266,7 +266,7 @@ VOCAB_KEPT = 48  # of the pair's 64 tokens
 
 def run_bench(argv, cwd=ROOT):
     return subprocess.run([sys.executable, str(ROOT / "bench.py"), *argv], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+                          timeout=HANG_S, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import bench
 import convert_hf_checkpoint
 import generate
 import train_draft
-from conftest import (ROOT, eagle3_config, eagle3_head_weights, expect_error, head_config, random_head_weights,
+from conftest import (HANG_S, ROOT, eagle3_config, eagle3_head_weights, expect_error, head_config, random_head_weights,
                       write_eagle_head, write_tokenizer)
 from model import QUANT_KEY
 
@@ -229,7 +229,7 @@ def test_mistake_gives_one_error_line(w, mistake, capsys):
     ("scripts/download.py", ["--repo_id", "nope"]),
 ])
 def test_real_process_prints_one_line_and_fails(tool, argv):
-    proc = subprocess.run([sys.executable, str(ROOT / tool), *argv], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(ROOT / tool), *argv], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
@@ -255,11 +255,11 @@ def test_help_and_usage_mistakes_answer_before_torch_is_imported(tool):
     names every module a process imports)."""
     for argv, rc in ((["--help"], 0), (["--no_such_flag"], 1)):
         proc = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / tool), *argv], capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=HANG_S)
         imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
         assert proc.returncode == rc and "torch" not in imported and "cli" in imported, proc.stderr[-500:]
     assert "usage:" in subprocess.run([sys.executable, str(ROOT / tool), "--help"], capture_output=True,
-                                      text=True, timeout=120).stdout
+                                      text=True, timeout=HANG_S).stdout
 
 
 def test_help_shows_defaults_of_zero(capsys):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from cli import Progress, format_duration, format_rate
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 
 class Clock:
@@ -120,7 +120,7 @@ def test_a_real_process_writing_to_a_pipe_prints_plain_lines(checkpoints, tmp_pa
     target_dir, _ = checkpoints("llama2")
     shutil.copy(target_dir / "model.pth", tmp_path / "model.pth")
     proc = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(tmp_path / "model.pth"),
-                           "--mode", "int8"], capture_output=True, text=True, timeout=120)
+                           "--mode", "int8"], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "\r" not in proc.stdout and "\x1b" not in proc.stdout

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, smollm2_gguf
+from conftest import HANG_S, ROOT, smollm2_gguf
 
 README = (ROOT / "README.md").read_text()
 
@@ -29,7 +29,7 @@ def run(command: str, cwd) -> str:
     assert command.startswith("python "), command
     tool, _, rest = command.removeprefix("python ").partition(" ")
     done = subprocess.run(f"{sys.executable} {ROOT / tool} {rest}", shell=True, cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_S)
     assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
     return done.stdout
 

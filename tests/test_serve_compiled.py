@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import launch_server
+from conftest import HANG_S, launch_server
 
 try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
     import httpx2 as httpx
@@ -44,7 +44,7 @@ def test_a_compiled_server_compiles_nothing_for_new_sampling_settings():
         assert warm == 8  # the cycle's and the plain step's: greedy or sampled, logprobs or not
         for settings in SETTINGS:
             reply = httpx.post(url + "/v1/completions", json={"prompt": "def read_lines(path):\n", "max_tokens": 24,
-                                                              **settings}, timeout=300)
+                                                              **settings}, timeout=HANG_S)
             assert reply.status_code == 200, reply.text
             choice = reply.json()["choices"][0]
             assert reply.json()["usage"]["completion_tokens"] > 0 and choice["finish_reason"] in ("length", "stop")

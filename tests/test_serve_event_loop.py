@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import launch_server
+from conftest import HANG_S, launch_server
 
 pytest.importorskip("llguidance", reason="structured output's grammar engine: pip install llguidance")
 try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx before)
@@ -16,7 +16,7 @@ try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx b
 except ImportError:
     httpx = pytest.importorskip("httpx")
 
-SLOW = 3.0  # seconds the compile sleeps
+SLOW = 6.0  # seconds the compile sleeps (the gap bound below is half of it: room for a loaded machine)
 GAP = SLOW / 2  # the largest gap allowed between the running stream's chunks
 # serve.py with the compile slowed and timed, and each chunk of a reply 5 ms apart at least, so that the running
 # stream outlasts the compile on any machine (it is closed once the compile is done)
@@ -53,10 +53,10 @@ def test_a_slow_grammar_compile_does_not_hold_up_a_running_stream():
         replies = []
         schema_request = threading.Thread(target=lambda: replies.append(httpx.post(url + "/v1/completions", json={
             "prompt": "def f():\n", "max_tokens": 12, "temperature": 0, "n": 3,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": SCHEMA}}}, timeout=120)))
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": SCHEMA}}}, timeout=HANG_S)))
         arrivals, compiled = [], None
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": "def read_lines(path):\n", "max_tokens": 1900,
-                                                                 "temperature": 0, "stream": True}, timeout=60) as r:
+                                                                 "temperature": 0, "stream": True}, timeout=HANG_S) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -66,7 +66,7 @@ def test_a_slow_grammar_compile_does_not_hold_up_a_running_stream():
                 compiled = compiled or next((float(l.split()[1]) for l in lines if l.startswith("compiled ")), None)
                 if compiled is not None and arrivals[-1] > compiled + 0.5:
                     break  # leaving: the engine stops this stream and runs the schema request's choices
-        schema_request.join(timeout=120)
+        schema_request.join(timeout=HANG_S)
         assert compiled is not None, "the stream ended before the compile did"
         compiling = [float(l.split()[1]) for l in lines if l.startswith("compiling ")]
         assert len(compiling) == 1  # once for the request's three choices

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from conftest import HANG_S
 from test_serve import start_server
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
@@ -57,4 +58,4 @@ def test_the_page_chats_and_marks_drafted_and_target_tokens():
     finally:
         driver.quit()
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_S)

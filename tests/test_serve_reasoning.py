@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from decode import SamplingConfig
 from openai_replies import StreamReply, whole_reply
 from reasoning import ANSWERING, MAY_THINK, THINKING
@@ -137,7 +137,7 @@ def thinking_server(smollm2, tmp_path_factory):
                              "--precision", "fp32", "--device", "cpu", "--max_seq_length", "1024")
     yield url, httpx
     proc.terminate()
-    proc.wait(timeout=30)
+    proc.wait(timeout=HANG_S)
 
 
 def ask(server, body: dict, stream: bool) -> dict:
@@ -145,11 +145,11 @@ def ask(server, body: dict, stream: bool) -> dict:
     url, httpx = server
     body = {"temperature": 0, "max_tokens": 48, **body, "stream": stream}
     if not stream:
-        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=HANG_S)
         assert reply.status_code == 200, reply.text
         return reply.json()["choices"][0]["message"]
     message = {"reasoning_content": "", "content": ""}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as reply:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=HANG_S) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("data: {"):
@@ -184,7 +184,7 @@ def test_the_real_model_thinks_then_answers_and_its_thinking_is_apart(thinking_s
     off = both(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"enable_thinking": False}})
     assert off["reasoning_content"] is None and "think>" not in off["content"]
     url, httpx = thinking_server
-    usages = [httpx.post(url + "/v1/chat/completions", timeout=300, json={
+    usages = [httpx.post(url + "/v1/chat/completions", timeout=HANG_S, json={
         "messages": conversation(), "temperature": 0, "max_tokens": 48, "n": 2, **extra}).json()["usage"]
         for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
     thinking = usages[0]["completion_tokens_details"]["reasoning_tokens"]

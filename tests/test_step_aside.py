@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import STAT_SAMPLES, make_context_pair
+from conftest import HANG_S, STAT_SAMPLES, make_context_pair
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, StepAside, TreeConfig, generate
 from generate import load_draft, load_target
@@ -112,7 +112,7 @@ def test_the_server_steps_aside_per_engine_and_says_so(tmp_path):
         made = 0
         for prompt in PROMPTS[:3]:
             reply = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 80, "temperature": 0},
-                               timeout=120).json()
+                               timeout=HANG_S).json()
             ids = tokenizer.encode(prompt)
             want = generate(target, ids, 80, GREEDY, eos_ids=tokenizer.eos_ids).tokens
             assert reply["choices"][0]["text"] == tokenizer.decode(want)
@@ -121,4 +121,4 @@ def test_the_server_steps_aside_per_engine_and_says_so(tmp_path):
         assert int(re.search(r"eaglet_plain_tokens_total (\d+)", metrics).group(1)) == made
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_S)

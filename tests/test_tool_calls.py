@@ -13,7 +13,7 @@ pytest.importorskip("llguidance", reason="forced calls are grammars: pip install
 jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
 
 import generate  # noqa: E402
-from conftest import ROOT, smollm2_gguf  # noqa: E402
+from conftest import HANG_S, ROOT, smollm2_gguf  # noqa: E402
 from decode import SamplingConfig, TreeConfig  # noqa: E402
 from grammar import Constraint, grammar_of, grammar_tokenizer, tag_token  # noqa: E402
 from model import EagletError  # noqa: E402
@@ -202,7 +202,7 @@ def test_the_tool_loop_through_the_openai_client(tmp_path):
             assert e.value.body["param"] == param
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=HANG_S)
 
 
 # Hermes' tags as tokens of their own

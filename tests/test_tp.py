@@ -14,7 +14,7 @@ import torch
 
 import quantize
 import tp
-from conftest import ROOT, make_agreeing_pair, read_generation
+from conftest import HANG_S, ROOT, make_agreeing_pair, read_generation
 from model import EagletError, ModelArgs
 from tokenizer import Tokenizer
 from tp_worker import run_cases
@@ -24,7 +24,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 CODE_PROMPTS = ["def read_lines(path):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self"]
 
 
-def torchrun(n: int, argv: list, timeout: int = 240) -> subprocess.CompletedProcess:
+def torchrun(n: int, argv: list, timeout: int = HANG_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(TORCHRUN + [f"--nproc_per_node={n}"] + argv, capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -151,7 +151,7 @@ def test_checkpoint_missing_on_one_rank_stops_every_rank(tmp_path):
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
     try:
-        outputs = [p.communicate(timeout=60) for p in procs]
+        outputs = [p.communicate(timeout=HANG_S) for p in procs]
     finally:  # a rank left waiting for the other is a failure, not a hung test run
         for p in procs:
             p.kill()
@@ -208,7 +208,7 @@ def test_compiled_cycle_under_torchrun_equals_one_process(tmp_path):
     """The whole cycle as one compiled graph per rank, its all-reduces inside it (fullgraph)."""
     import generate
     argv = ["--max_new_tokens", "20", "--step_aside", "off", "--json_out"]  # cycles alone, as sharded
-    run = torchrun(2, ["generate.py", "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=400)
+    run = torchrun(2, ["generate.py", "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     generate.main(argv + [str(tmp_path / "one.json")])
     sharded, alone = read_generation(tmp_path / "tp.json"), read_generation(tmp_path / "one.json")

@@ -13,7 +13,7 @@ import torch
 
 import generate
 import train_draft
-from conftest import (ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
+from conftest import (HANG_S, ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
                       read_generation, scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target
@@ -311,7 +311,7 @@ def test_conversion_shows_progress_and_holds_about_one_layer(tmp_path):
     total_kb = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) / 1024
 
     proc = subprocess.run([sys.executable, "-c", MEASURE_CONVERT, str(ROOT), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=HANG_S)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     assert [l for l in lines if l.startswith("reading shard")] == [
@@ -336,7 +336,7 @@ def test_make_demo_never_overwrites_a_demo(tmp_path):
                        (["--out_dir", str(tmp_path / "empty"), "--only_head3"], "--only_head3 needs a demo"),
                        (["--out_dir", "/proc/eaglet_demo/x"], "error: /proc/eaglet_demo")):
         proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo.py"), *argv], capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=HANG_S)
         assert proc.returncode == 1 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
         assert len(proc.stderr.splitlines()) == 1
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["model.pth", "target"]
