@@ -4,9 +4,10 @@
         --prompt "Hello, my name is" --compile
 """
 # (The docstring above is --help's text.) This file is the command line: flags, loading the target and head, and
-# main, over decode.py (sampling, the cycle, generate / generate_batch), tune.py (--tree auto, --total_tokens auto)
-# and chat.py (streaming, stop strings, the chat loop, a run's output). It imports those and model.py, draft.py,
-# tp.py, tokenizer.py and cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
+# main, over decode.py (sampling, the cycle, generate), graphs.py (--compile), batch.py (generate_batch),
+# step_aside.py (--step_aside), tune.py (--tree auto, --total_tokens auto) and chat.py (streaming, stop strings,
+# the chat loop, a run's output). It imports those and model.py, quantize.py, draft.py, tp.py, tokenizer.py and
+# cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
 import json
 import os
 import resource
