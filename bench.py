@@ -149,11 +149,13 @@ from chat import write_output  # noqa: E402
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, PEagleDraft, XPressDraft  # noqa: E402
 from draft import DraftHead, Eagle3Flags, EagleDraft, head_name as draft_kind  # noqa: E402
 from head_formats import dflash_layer_ids  # noqa: E402
-from decode import (SamplingConfig, TreeConfig, catch_up, commit, compile_settings, compile_step,  # noqa: E402
-                    cycle_weight_bytes, decode_one_token, device_sync, generate, generate_batch, keep_new, run_calls,
-                    speculative_cycle, verify, weight_bytes, weights_format)
-from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, draft_vocab_of, load_draft,  # noqa: E402
-                      load_target, pick_device)
+from decode import (SamplingConfig, TreeConfig, catch_up, commit, decode_one_token, device_sync, generate,  # noqa: E402
+                    keep_new, run_calls, speculative_cycle, verify)
+from graphs import compile_settings, compile_step  # noqa: E402
+from batch import generate_batch  # noqa: E402
+from quantize import weight_bytes, weights_format  # noqa: E402
+from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, cycle_weight_bytes,  # noqa: E402
+                      draft_vocab_of, load_draft, load_target, pick_device)
 from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402

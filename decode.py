@@ -1,9 +1,12 @@
-"""Decoding, the Python API's core: sampling, the plain step, the EAGLE-2 cycle in its phases (expand, verify,
-commit, catch-up: speculative_cycle) and generate / generate_batch, which run them and read their tokens back;
-last, what a step reads in weights (the GB/s figures).
+"""Decoding, the Python API's core, in the order a generation runs it: the settings and the result, the prompt's
+checks and prefill, sampling, the plain step, the EAGLE-2 cycle in its phases (expand, verify, commit, catch-up:
+speculative_cycle), the head's reads, the calls run ahead (run_calls), and generate / generate_constrained, which
+run them and read their tokens back.
 
-Imports model.py, attention.py, draft_tree.py, draft.py, quantize.py (to name a weight format) and tp.py, nothing above
-them.
+Imports model.py, attention.py, draft_tree.py, draft.py and tp.py, nothing above them. Built on it: graphs.py
+(compiling the step and the cycle, captured graphs), batch.py (several prompts at once, generate_batch) and
+step_aside.py (plain steps where speculation does not pay); what a step reads in weights is in quantize.py and
+generate.py.
 The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
 main runs the tuner: with the cycle in generate.py, the two would import each other. generate.py re-exports
 the names forks use (from generate import generate).
@@ -22,7 +25,6 @@ from draft import DraftHead
 from draft_tree import DraftTree, TreeConfig, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
-from quantize import Int4Linear, Int8Linear
 import tp
 
 
@@ -102,73 +104,69 @@ class GenerationResult:
         return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
 
 
-@dataclass
-class StepAside:
-    """Speculation that steps aside where it does not pay: generate() keeps running estimates (the newest call weighs
-    `smoothing`) of a cycle's time, of tokens per cycle (tau) and of a plain step's time, and decodes plainly while
-    a cycle costs more than tau plain steps (by more than `margin`). After `retry_after` plain tokens it speculates
-    again for `trial_cycles` cycles and judges anew, each trial that fails doubling the wait (up to `longest_wait`)
-    so that trials cost a bounded share of the time; where no plain step was timed yet, `probe_steps` plain steps
-    time one. Switching happens between calls, and both ways are exact, so the output is what plain decoding gives
-    (greedy) or follows the target's law (sampling) either way. One object may serve many generations: its estimates
-    carry over (a server's, a CLI run's warm-up). plain_tokens and switches count what it did."""
-    retry_after: int = 128
-    longest_wait: int = 1024
-    trial_cycles: int = 1
-    probe_steps: int = 4
-    margin: float = 0.05
-    smoothing: float = 0.3
-    clock: Callable = time.perf_counter
-    step_seconds: float = 0.0
-    cycle_seconds: float = 0.0
-    tau: float = 0.0
-    plain_tokens: int = 0
-    switches: int = 0
-    speculating: bool = True
-    calls: int = 0  # in the current mode
-    budget: int = 0  # plain tokens to go before the next judgement
-    probing: bool = False  # the plain steps time a step (none was timed before)
-    wait: int = 0  # plain tokens before the next trial: retry_after, doubled by every trial that fails
+def one_prompt(prompt_tokens) -> list:
+    """The prompt as a list of ints; a batch (several prompts) is refused by name."""
+    if isinstance(prompt_tokens, Tensor):
+        if prompt_tokens.ndim == 2 and prompt_tokens.shape[0] == 1:
+            prompt_tokens = prompt_tokens[0]
+        prompt_tokens = prompt_tokens.tolist() if prompt_tokens.ndim == 1 else [prompt_tokens.tolist()]
+    prompt_tokens = list(prompt_tokens)
+    if not all(isinstance(t, int) for t in prompt_tokens):
+        raise EagletError("generate() takes one prompt, a list of token ids; for several prompts at once (a batch) "
+                          "call generate_batch")
+    return prompt_tokens
 
-    def pays(self) -> bool:
-        """Whether a cycle gives more tokens a second than plain steps (unknown costs: assume it does)."""
-        if not (self.step_seconds and self.cycle_seconds and self.tau):
-            return True
-        return self.cycle_seconds / self.tau <= self.step_seconds * (1 + self.margin)
 
-    def observe(self, seconds: float, n_tokens: int):
-        """A call of the current mode took seconds (from the previous call's read to its own) and emitted n_tokens.
-        A mode's first call is not timed: it carries the switch (the head's catch-up) or a compilation."""
-        self.calls += 1
-        if self.speculating:
-            if self.calls > 1:
-                self.cycle_seconds = self.average(self.cycle_seconds, seconds)
-            self.tau = self.average(self.tau, n_tokens)
-        else:
-            if self.calls > 1:
-                self.step_seconds = self.average(self.step_seconds, seconds)
-            self.plain_tokens += n_tokens
-            self.budget -= n_tokens
+def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: int = 0):
+    need = n_prompt + max_new_tokens + extra
+    if n_prompt == 0:
+        raise EagletError("the prompt is empty")
+    if max_new_tokens < 0:
+        raise EagletError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if need > model.max_seq_length:
+        raise EagletError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens})"
+                          f"{f' + tree scratch ({extra})' if extra else ''} = {need} exceeds the cache "
+                          f"({model.max_seq_length} tokens)")
 
-    def average(self, old: float, new: float) -> float:
-        return new if not old else (1 - self.smoothing) * old + self.smoothing * new
 
-    def switch_now(self) -> bool:
-        """Whether the next call should be of the other mode; if so, the mode is switched."""
-        if self.speculating:
-            if self.calls <= self.trial_cycles or (self.step_seconds and self.pays()):
-                self.wait = self.retry_after if self.calls > self.trial_cycles else self.wait
-                return False
-            # a trial that does not pay, or no plain step timed yet: plain steps, to wait or to time one
-            self.wait = min(2 * self.wait, self.longest_wait) if self.wait else self.retry_after
-            self.budget, self.probing = (self.wait, False) if self.step_seconds else (self.probe_steps, True)
-        elif self.budget > 0:
-            return False
-        elif self.probing and not self.pays():  # the probe timed a step, and speculation loses: wait
-            self.budget, self.probing = self.wait, False
-            return False
-        self.speculating, self.calls, self.switches = not self.speculating, 0, self.switches + 1
-        return True
+# Tokens a prefill forward takes at once (--prefill_chunk): a prompt is written in chunks, each attending to the
+# filled cache and causally within itself, so no tensor of T x T or T x L elements is ever made (a chunk's mask is
+# [chunk, L]) and the MLP's activations are a chunk's, not the prompt's. 512 measured best on a CPU (BENCHMARKS.md).
+PREFILL_CHUNK = 512
+
+
+def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
+    """Write tokens [1, T] at positions start_pos.. into the cache, chunk tokens per forward; yield for each chunk
+    (its offset in tokens, the logits after its last token [1, vocab], its features [1, n, F])."""
+    check_chunk(chunk)
+    for s in range(0, tokens.shape[1], chunk):
+        e = min(s + chunk, tokens.shape[1])
+        input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)
+        mask = causal_mask(input_pos, start_pos + e)  # eager: attend over the filled slots only
+        logits, features = model(tokens[:, s:e], input_pos, input_pos, mask,
+                                 logits_idx=torch.tensor([-1], device=tokens.device))
+        yield s, logits[:, -1], features
+
+
+def prefill(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
+    """Write tokens [1, T] at positions start_pos.. into the cache (in chunks); return (last logits, all features)."""
+    chunks = list(prefill_chunks(model, tokens, start_pos, chunk))
+    return chunks[-1][1], torch.cat([features for _, _, features in chunks], dim=1)
+
+
+def prefill_chunk_of(chunk: Optional[int], cache: int) -> int:
+    """The chunk a prefill uses: the one asked for (checked), or PREFILL_CHUNK (None)."""
+    if chunk is None:
+        return PREFILL_CHUNK
+    check_chunk(chunk)
+    if chunk > cache:
+        raise EagletError(f"the prefill chunk ({chunk} tokens) is larger than the cache ({cache} tokens)")
+    return chunk
+
+
+def check_chunk(chunk):
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise EagletError(f"the prefill chunk must be a positive whole number of tokens, got {chunk!r}")
 
 
 def logits_to_probs(logits: Tensor, sampling) -> Tensor:
@@ -225,46 +223,6 @@ def read_scores(values: list, k: int) -> list:
     return [(row[0], [(int(i), p) for i, p in zip(row[1 + n:1 + n + k], row[1:1 + k])]) for row in rows]
 
 
-# Tokens a prefill forward takes at once (--prefill_chunk): a prompt is written in chunks, each attending to the
-# filled cache and causally within itself, so no tensor of T x T or T x L elements is ever made (a chunk's mask is
-# [chunk, L]) and the MLP's activations are a chunk's, not the prompt's. 512 measured best on a CPU (BENCHMARKS.md).
-PREFILL_CHUNK = 512
-
-
-def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
-    """Write tokens [1, T] at positions start_pos.. into the cache, chunk tokens per forward; yield for each chunk
-    (its offset in tokens, the logits after its last token [1, vocab], its features [1, n, F])."""
-    check_chunk(chunk)
-    for s in range(0, tokens.shape[1], chunk):
-        e = min(s + chunk, tokens.shape[1])
-        input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)
-        mask = causal_mask(input_pos, start_pos + e)  # eager: attend over the filled slots only
-        logits, features = model(tokens[:, s:e], input_pos, input_pos, mask,
-                                 logits_idx=torch.tensor([-1], device=tokens.device))
-        yield s, logits[:, -1], features
-
-
-def prefill(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
-    """Write tokens [1, T] at positions start_pos.. into the cache (in chunks); return (last logits, all features)."""
-    chunks = list(prefill_chunks(model, tokens, start_pos, chunk))
-    return chunks[-1][1], torch.cat([features for _, _, features in chunks], dim=1)
-
-
-def prefill_chunk_of(chunk: Optional[int], cache: int) -> int:
-    """The chunk a prefill uses: the one asked for (checked), or PREFILL_CHUNK (None)."""
-    if chunk is None:
-        return PREFILL_CHUNK
-    check_chunk(chunk)
-    if chunk > cache:
-        raise EagletError(f"the prefill chunk ({chunk} tokens) is larger than the cache ({cache} tokens)")
-    return chunk
-
-
-def check_chunk(chunk):
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise EagletError(f"the prefill chunk must be a positive whole number of tokens, got {chunk!r}")
-
-
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling, filled: int = 0):
     """token [1, 1] at input_pos [1] -> the next token [1] (and its token_scores, with sampling.logprobs >= 0).
     Shapes fixed: compiled once, replayed. Eager and compiled CPU callers pass filled
@@ -277,86 +235,14 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     return token
 
 
-# How a compiled CUDA step is replayed: CapturedGraphs, or torch.compile's CUDA-graph trees (mode="reduce-overhead"),
-# which check and copy their inputs on every call. The plain step is captured by default: 200.9 tokens/s end to end
-# against 174.4 with trees (H200, LLaMA-3-8B shape, 0.09 ms outside each call against 0.74; BENCHMARKS.md). The
-# cycle's A/B is not measured yet, so it stays on trees. EAGLET_GRAPHS=manual captures both, =trees neither.
-GRAPHS = os.environ.get("EAGLET_GRAPHS", "")
-
-
-def captures(step_fn: Callable) -> bool:
-    return GRAPHS == "manual" or (GRAPHS == "" and step_fn is decode_one_token)
-
-
-def compile_step(step_fn: Callable, device: str):
-    """CUDA: fixed shapes captured as a CUDA graph (a plain step's BlockMask keeps its reads to the filled cache
-    blocks). CPU: inductor alone, no graph to capture, so the plain step is compiled with dynamic shapes and
-    given the filled length as eager code is: one graph for every length, reading the filled slots only (over
-    the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md)."""
-    if device.startswith("cuda"):
-        if step_fn in (decode_one_token, speculative_cycle) and captures(step_fn):
-            return CapturedGraphs(torch.compile(step_fn, fullgraph=True))
-        return torch.compile(step_fn, mode="reduce-overhead", fullgraph=True)
-    return torch.compile(step_fn, fullgraph=True, dynamic=step_fn is decode_one_token)
-
-
-class CapturedGraphs:
-    """A compiled step or cycle replayed as a torch.cuda.CUDAGraph, one per distinct call: per call only the input
-    tensors are copied into the graph's own and the graph is replayed (no guards, no input checks). A call is told
-    apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree; of the sampling,
-    whether it is greedy and scores tokens: a SamplingInputs' settings are copied in as tensors are).
-    The outputs live in the graph's memory, overwritten by the next replay: callers clone them (plain_call,
-    cycle_call, generate_batch do). Capturing runs the call three times first on a side stream (as CUDA graph
-    capture needs); a step or a cycle run again from the same state writes only past the context it starts from,
-    so that is harmless -- but when sampling, those runs draw random numbers: a seeded first generation differs
-    from a later one with the same seed."""
-
-    def __init__(self, compiled: Callable):
-        self.compiled, self.graphs, self.pool = compiled, {}, None
-
-    def __call__(self, *args):
-        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else (a.greedy, a.logprobs)
-                    if isinstance(a, SamplingInputs) else repr(a) if isinstance(a, (SamplingConfig, TreeConfig))
-                    else id(a) for a in args)
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(args)
-        inputs, graph, outputs = self.graphs[key]
-        for static, a in zip(inputs, args):
-            if static is not None:
-                static.copy_(a.settings if isinstance(a, SamplingInputs) else a)
-        graph.replay()
-        return outputs
-
-    def capture(self, args):
-        inputs = [a.clone() if isinstance(a, Tensor) else a.settings.clone() if isinstance(a, SamplingInputs) else None
-                  for a in args]
-        call_args = [a if static is None else SamplingInputs(a.greedy, static, a.logprobs)
-                     if isinstance(a, SamplingInputs) else static for static, a in zip(inputs, args)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.compiled(*call_args)
-        torch.cuda.current_stream().wait_stream(side)
-        self.pool = self.pool or torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.compiled(*call_args)
-        return inputs, graph, outputs
-
-
-def compile_settings(target: Transformer, device: str):
-    """A quantized Linear converts its weight inside the graph; inductor turns a one-row matmul over such a
-    weight into a fused GEMV (reading int8 bytes, not a bf16 copy written each step) only with
-    coordinate-descent tuning on (torch 2.13's mm decomposition), as gpt-fast sets it. bf16 targets keep
-    cuBLAS's GEMV, as measured (BENCHMARKS.md)."""
-    if str(device).startswith("cuda") and target.quantization:
-        torch._inductor.config.coordinate_descent_tuning = True
-
-
-def device_sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
+def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
+    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context (per row: a batch
+    of trees, each after its own row's context)."""
+    n = tree.tokens.shape[-1]
+    start = ctx_len[..., None]
+    logits, features = target(tree.tokens.view(-1, n), start + tree.depths, start + torch.arange(n, device=ctx_len.device),
+                              attention_mask(ctx_len, tree.ancestors, target.max_seq_length))
+    return logits.view(*tree.tokens.shape, -1), features.view(*tree.tokens.shape, -1)
 
 
 def accept(tree: DraftTree, logits: Tensor, sampling, levels: int):
@@ -383,16 +269,6 @@ def accept(tree: DraftTree, logits: Tensor, sampling, levels: int):
         (tree.depths[..., None, :] == depth_of_row)
     path = at_depth.int().argmax(dim=-1)
     return path, tree.depths.gather(-1, best)[..., 0], pick.gather(-1, best)[..., 0]
-
-
-def verify(target: Transformer, tree: DraftTree, ctx_len: Tensor):
-    """Phase 2: one target forward over the tree, K/V to the scratch slots after the context (per row: a batch
-    of trees, each after its own row's context)."""
-    n = tree.tokens.shape[-1]
-    start = ctx_len[..., None]
-    logits, features = target(tree.tokens.view(-1, n), start + tree.depths, start + torch.arange(n, device=ctx_len.device),
-                              attention_mask(ctx_len, tree.ancestors, target.max_seq_length))
-    return logits.view(*tree.tokens.shape, -1), features.view(*tree.tokens.shape, -1)
 
 
 def commit(target: Transformer, tree: DraftTree, logits: Tensor, ctx_len: Tensor, sampling, levels: int):
@@ -436,15 +312,6 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     return emitted, n_accepted, bonus, next_ctx, h_last
 
 
-def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
-                root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
-    """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
-    on (features: the target's over prompt[first:]), the last one pairing with the root."""
-    device = root.device
-    pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
-    return draft_reads(target, draft, pairs, features[0], first, chunk)
-
-
 def draft_reads(target: Transformer, draft: DraftHead, next_tokens: Tensor, features: Tensor, first: int,
                 chunk: int = PREFILL_CHUNK) -> Tensor:
     """The head reads the pairs (features[i], next_tokens[i]) of positions first.., chunk pairs per call (its masks
@@ -457,167 +324,13 @@ def draft_reads(target: Transformer, draft: DraftHead, next_tokens: Tensor, feat
     return h_last
 
 
-# EAGLET_RUN_AHEAD=0 turns running ahead off (an A/B for measuring it; see run_calls).
-RUN_AHEAD = os.environ.get("EAGLET_RUN_AHEAD", "1") != "0"
-
-
-@torch.no_grad()
-def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
-             eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
-             draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
-             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
-             constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
-             prefill_chunk: Optional[int] = None, step_aside: Optional[StepAside] = None,
-             plain_fn: Optional[Callable] = None) -> GenerationResult:
-    """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
-
-    The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
-    decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
-    step; if it returns a number, that many of them are kept and generation ends (stop strings).
-    run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
-    (see run_calls). constraint (grammar.Constraint): structured output, exact under speculation
-    (generate_constrained). sampling.logprobs >= 0: each token's logprobs, computed by the step or the verify that
-    chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
-    returned in the result. The prompt is prefilled prefill_chunk tokens per forward (default PREFILL_CHUNK), the
-    head reading each chunk as it goes. step_aside (StepAside, with a head): plain steps (plain_fn, e.g. compiled;
-    default decode_one_token) wherever speculation does not pay.
-    """
-    if constraint is not None:
-        return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
-                                    on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
-                                    scores=scores, prefill_chunk=prefill_chunk, step_aside=step_aside,
-                                    plain_fn=plain_fn)
-    prompt_tokens = one_prompt(prompt_tokens)
-    tree = tree or TreeConfig()
-    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
-    prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
-    if max_new_tokens == 0:
-        return GenerationResult(list(prompt_tokens), [], 0.0)
-    device = model.output.weight.device
-    device_sync(device)
-    t0 = time.perf_counter()
-    # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
-    first = max(start_pos - 1, 0) if draft else start_pos
-    new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
-    for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk):
-        if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
-            draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
-                        first + offset, prefill_chunk)
-    token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
-    tokens, accept_lengths = [], []
-    scores = None if sampling.logprobs < 0 else [] if scores is None else scores
-    scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
-    if scores is not None:
-        scores += read_scores(token_scores(logits[0], token, MAX_TOP_LOGPROBS).tolist(), sampling.logprobs)
-    emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
-    done = emit([token.item()])
-    first_token_seconds = time.perf_counter() - t0
-    plain_tokens = 0
-    if not done:
-        ctx_len = torch.tensor(len(prompt_tokens), device=device)
-        inputs = sampling.inputs(device)  # tensors, not constants: every setting shares the compiled step's graph
-        if draft is None:
-            call, state, widest = partial(plain_call, model, inputs, step_fn), (token, ctx_len), 1
-        else:
-            h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
-            call, state = partial(cycle_call, model, draft, tree, inputs, step_fn), (token, ctx_len, h_last)
-            widest = tree.levels
-        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
-        if draft is not None and step_aside is not None:
-            plain = partial(plain_call, model, inputs, plain_fn)
-            plain_before = step_aside.plain_tokens
-            run_stepping_aside(step_aside, call, plain, state, prompt_tokens, tokens, emit, max_new_tokens, widest,
-                               ahead, accept_lengths, scores, sampling.logprobs, partial(catch_up_plain, model, draft,
-                                                                                          chunk=prefill_chunk))
-            plain_tokens = step_aside.plain_tokens - plain_before
-        else:
-            run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
-                      accept_lengths if draft is not None else None, scores, sampling.logprobs)
-    seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
-    device_sync(device)
-    if scores is not None:
-        del scores[scored + len(tokens):]  # those of tokens cut at EOS, max_new_tokens or a stop
-    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds,
-                            scores[scored:] if scores is not None else [], plain_tokens=plain_tokens)
-
-
-def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
-                         constraint, eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
-                         **kwargs) -> GenerationResult:
-    """generate() under a grammar, in segments. A segment's tokens go through constraint.take; at the first one the
-    grammar refuses, the segment ends with the tokens before it. The next segment starts from every kept token (the
-    caches hold them: its prefill re-runs the last one, as a chat turn's reuse does) and its first token is
-    constraint.pick of that prefill's logits -- the refused position's -- the masked pick. Drafts the grammar
-    refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here.
-    Where the grammar then forces a run of constraint.forced_min or more tokens (a schema's keys and punctuation),
-    the segment ends too and the run is taken without asking the target (constraint.forced: each is the only token
-    allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
-    forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
-    prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
-    t0, first_token_seconds = time.perf_counter(), None
-    fast_forward = constraint.forced_min > 0 and sampling.logprobs < 0
-    while True:
-        ends, run, taken = {"cut": False, "stopped": False}, [], [0]
-
-        def take(new: list):
-            n = constraint.take(new)
-            finished = constraint.done()  # the grammar is complete (it took an EOS or allows nothing more)
-            ends["cut"] = n < len(new) and not finished
-            if fast_forward and not ends["cut"] and not finished:
-                run.extend(constraint.forced(max_new_tokens - len(tokens) - taken[0] - n))
-                finished = constraint.done()
-            taken[0] += n
-            keep = on_tokens(new[:n] + run) if on_tokens else None
-            if keep is not None:  # a stop string: the run's tokens past it go too
-                del run[max(keep - n, 0):]
-            ends["stopped"] = keep is not None or finished
-            return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
-        context = prompt_tokens + tokens
-        segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
-                           first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
-        first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
-        if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
-            raise EagletError("the grammar refused the token it had just allowed: no progress")
-        tokens += segment.tokens + run
-        accept_lengths += segment.accept_lengths
-        logprobs += segment.logprobs
-        if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
-            return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
-                                    logprobs, len(run) + 1 if segment.tokens else len(run))
-        start_pos = len(context) + len(segment.tokens) - 1
-
-
-def run_stepping_aside(gate: StepAside, cycle, plain, state, prompt: list, tokens: list, emit: Callable,
-                       max_new_tokens: int, widest: int, ahead: bool, accept_lengths: list, scores, k: int,
-                       head_reads: Callable):
-    """run_calls in segments of cycles or of plain steps, as gate says after each call. A segment ends at the
-    gate's switch (a call queued ahead is thrown away, as at the end of a generation); plain steps start from the
-    last root, and cycles again after the head has read what the plain steps wrote (head_reads)."""
-    finished, last = [False], [gate.clock()]
-
-    def emit_and_judge(new: list) -> bool:
-        n_before = len(tokens)
-        finished[0] = emit(new)
-        now = gate.clock()
-        gate.observe(now - last[0], len(tokens) - n_before)
-        last[0] = now
-        return finished[0] or gate.switch_now()
-
-    head_at = len(prompt)  # where the head stopped reading: the prompt's end, or where speculation stepped aside
-    while True:
-        if gate.speculating:
-            run_calls(cycle, state, len(prompt), tokens, emit_and_judge, max_new_tokens, widest, ahead,
-                      accept_lengths, scores, k)
-        else:
-            run_calls(plain, state[:2], len(prompt), tokens, emit_and_judge, max_new_tokens, 1, ahead, None, scores, k)
-        if finished[0]:
-            return
-        ctx, device = len(prompt) + len(tokens) - 1, state[0].device
-        root = torch.tensor(tokens[-1], device=device)
-        if gate.speculating:
-            state = (root, torch.tensor(ctx, device=device), head_reads((prompt + tokens)[:ctx], head_at, root))
-        else:
-            state, head_at = (root, torch.tensor(ctx, device=device)), ctx
+def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
+                root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
+    """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
+    on (features: the target's over prompt[first:]), the last one pairing with the root."""
+    device = root.device
+    pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
+    return draft_reads(target, draft, pairs, features[0], first, chunk)
 
 
 def catch_up_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
@@ -651,6 +364,10 @@ def read_back(values: Tensor, scores: Optional[Tensor]) -> Tensor:
     """What the host reads of a call, one tensor (one sync): its tokens, then their token_scores if asked for (as
     floats then, exact for ids and counts below 2^24)."""
     return values if scores is None else torch.cat([values.float(), scores.flatten()])
+
+
+# EAGLET_RUN_AHEAD=0 turns running ahead off (an A/B for measuring it; see run_calls).
+RUN_AHEAD = os.environ.get("EAGLET_RUN_AHEAD", "1") != "0"
 
 
 def run_calls(call: Callable, state, n_prompt: int, tokens: list, emit: Callable, max_new_tokens: int, widest: int,
@@ -710,166 +427,132 @@ def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: O
     return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
 
 
-@torch.no_grad()
-def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampling: SamplingConfig,
-                   eos_ids=(), on_tokens: Optional[Callable] = None, draft: Optional[DraftHead] = None,
-                   tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None,
-                   prefill_chunk: Optional[int] = None) -> list:
-    """Several prompts decoded together, one GenerationResult each; greedy, every row gets the tokens and
-    accepted lengths generate() gives it alone. The caches must hold len(prompts) rows (setup_caches).
+def device_sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
 
-    The prompts are prefilled together, padded after their ends: a row's K/V past its prompt is never seen
-    (its masks stop at its own context) and is overwritten as it goes on. Then one step or one cycle serves
-    every row, each at its own context. A row that is done (EOS, max_new_tokens, or on_tokens(row, new)
-    keeping fewer tokens) stays where it is, its outputs ignored, while the others go on: the shapes never
-    change. A result's seconds run until its own row was done.
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
+             eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
+             draft: Optional[DraftHead] = None, tree: Optional[TreeConfig] = None,
+             step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
+             constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
+             prefill_chunk: Optional[int] = None, step_aside=None,
+             plain_fn: Optional[Callable] = None) -> GenerationResult:
+    """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
+
+    The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
+    decode_one_token / speculative_cycle (their compiled versions). on_tokens(new) sees the tokens of each
+    step; if it returns a number, that many of them are kept and generation ends (stop strings).
+    run_ahead (default: on CUDA, unless EAGLET_RUN_AHEAD=0) queues step k+1 before reading step k's tokens
+    (see run_calls). constraint (grammar.Constraint): structured output, exact under speculation
+    (generate_constrained). sampling.logprobs >= 0: each token's logprobs, computed by the step or the verify that
+    chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
+    returned in the result. The prompt is prefilled prefill_chunk tokens per forward (default PREFILL_CHUNK), the
+    head reading each chunk as it goes. step_aside (step_aside.StepAside, with a head): plain steps (plain_fn, e.g.
+    compiled; default decode_one_token) wherever speculation does not pay.
     """
-    prompts = [one_prompt(p) for p in prompts]
-    if sampling.logprobs >= 0:
-        raise EagletError("logprobs are read one prompt at a time (generate), not in a batch")
+    if constraint is not None:
+        return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
+                                    on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
+                                    scores=scores, prefill_chunk=prefill_chunk, step_aside=step_aside,
+                                    plain_fn=plain_fn)
+    prompt_tokens = one_prompt(prompt_tokens)
     tree = tree or TreeConfig()
-    for prompt in prompts:
-        check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)
-    check_rows(model, draft, len(prompts))
+    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
     prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
+    if max_new_tokens == 0:
+        return GenerationResult(list(prompt_tokens), [], 0.0)
     device = model.output.weight.device
     device_sync(device)
     t0 = time.perf_counter()
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
-    logits, features = prefill_rows(model, padded, lengths, prefill_chunk)
-    token = sample(logits, sampling)  # [B]
-    rows = [[] for _ in prompts]
-    accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
-    emits = [partial(keep_new, rows[b], eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-                     on_tokens=partial(on_tokens, b) if on_tokens else None) for b in range(len(prompts))]
-    new, ctx_len, next_ctx = [[t] for t in token.tolist()], lengths.clone(), lengths.clone()
+    # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
+    first = max(start_pos - 1, 0) if draft else start_pos
+    new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
+    for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk):
+        if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
+            draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
+                        first + offset, prefill_chunk)
+    token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
+    tokens, accept_lengths = [], []
+    scores = None if sampling.logprobs < 0 else [] if scores is None else scores
+    scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
+    if scores is not None:
+        scores += read_scores(token_scores(logits[0], token, MAX_TOP_LOGPROBS).tolist(), sampling.logprobs)
+    emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
+    done = emit([token.item()])
     first_token_seconds = time.perf_counter() - t0
-    inputs = sampling.inputs(device)
-    if draft is not None:
-        step_fn = step_fn or speculative_cycle
-        # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
-        pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
-        h_last = draft_reads_rows(model, draft, pairs, features, lengths, prefill_chunk)
-    done, live, n_live = [False] * len(prompts), None, -1
-    while True:
-        for b in range(len(prompts)):
-            if not done[b]:
-                n_before = len(rows[b])
-                done[b] = emits[b](new[b])
-                if draft is not None and n_before:  # the cycles' counts; the prefill's token is not one
-                    accept_lengths[b].append(len(rows[b]) - n_before)
-                seconds[b] = time.perf_counter() - t0 if done[b] else 0.0
-        if all(done):
-            break
-        # A row that is done stays at the context its last step started from: below its end, so the steps
-        # it still takes (their outputs ignored) write inside its cache. (The mask is sent only when it changes.)
-        if n_live != done.count(False):
-            n_live, live = done.count(False), torch.tensor([not d for d in done], device=device)
-        ctx_len = torch.where(live, next_ctx, ctx_len)
+    plain_tokens = 0
+    if not done:
+        ctx_len = torch.tensor(len(prompt_tokens), device=device)
+        inputs = sampling.inputs(device)  # tensors, not constants: every setting shares the compiled step's graph
         if draft is None:
-            token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], inputs).clone()
-            next_ctx = ctx_len + 1
-            new = [[check_agreed(t)] for t in token.tolist()]
+            call, state, widest = partial(plain_call, model, inputs, step_fn), (token, ctx_len), 1
         else:
-            emitted, n_accepted, token, next_ctx, h_last = [
-                t.clone() for t in step_fn(model, draft, token, ctx_len, h_last, tree, inputs)]
-            out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
-            new = [o[1:check_agreed(o[0]) + 2] for o in out]
-    return [GenerationResult(list(p), r, s, a, first_token_seconds)
-            for p, r, s, a in zip(prompts, rows, seconds, accept_lengths)]
+            h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
+            call, state = partial(cycle_call, model, draft, tree, inputs, step_fn), (token, ctx_len, h_last)
+            widest = tree.levels
+        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
+        if draft is not None and step_aside is not None:
+            plain = partial(plain_call, model, inputs, plain_fn)
+            plain_before = step_aside.plain_tokens
+            step_aside.run(call, plain, state, prompt_tokens, tokens, emit, max_new_tokens, widest, ahead,
+                           accept_lengths, scores, sampling.logprobs, partial(catch_up_plain, model, draft,
+                                                                              chunk=prefill_chunk))
+            plain_tokens = step_aside.plain_tokens - plain_before
+        else:
+            run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
+                      accept_lengths if draft is not None else None, scores, sampling.logprobs)
+    seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
+    device_sync(device)
+    if scores is not None:
+        del scores[scored + len(tokens):]  # those of tokens cut at EOS, max_new_tokens or a stop
+    return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds,
+                            scores[scored:] if scores is not None else [], plain_tokens=plain_tokens)
 
 
-def prefill_rows(model: Transformer, padded: Tensor, lengths: Tensor, chunk: int):
-    """A batch's prompts padded [B, T] prefilled in chunks (as prefill_chunks): each row's logits after its own last
-    token [B, vocab] and every position's features [B, T, F]."""
-    logits, features = None, []
-    for s in range(0, padded.shape[1], chunk):
-        e = min(s + chunk, padded.shape[1])
-        pos = torch.arange(s, e, device=padded.device)
-        last = (lengths - 1 - s).clamp(0, e - s - 1)  # each row's last token, where it is in this chunk
-        chunk_logits, chunk_features = model(padded[:, s:e], pos, pos, causal_mask(pos, e), logits_idx=last[:, None])
-        ends_here = ((lengths - 1 >= s) & (lengths - 1 < e))[:, None]
-        logits = chunk_logits[:, 0] if logits is None else torch.where(ends_here, chunk_logits[:, 0], logits)
-        features.append(chunk_features)
-    return logits, torch.cat(features, dim=1)
+def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
+                         constraint, eos_ids=(), start_pos: int = 0, on_tokens: Optional[Callable] = None,
+                         **kwargs) -> GenerationResult:
+    """generate() under a grammar, in segments. A segment's tokens go through constraint.take; at the first one the
+    grammar refuses, the segment ends with the tokens before it. The next segment starts from every kept token (the
+    caches hold them: its prefill re-runs the last one, as a chat turn's reuse does) and its first token is
+    constraint.pick of that prefill's logits -- the refused position's -- the masked pick. Drafts the grammar
+    refuses thus cost a cut and a short prefill, never a wrong token; an unconstrained run never comes here.
+    Where the grammar then forces a run of constraint.forced_min or more tokens (a schema's keys and punctuation),
+    the segment ends too and the run is taken without asking the target (constraint.forced: each is the only token
+    allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
+    forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
+    prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
+    t0, first_token_seconds = time.perf_counter(), None
+    fast_forward = constraint.forced_min > 0 and sampling.logprobs < 0
+    while True:
+        ends, run, taken = {"cut": False, "stopped": False}, [], [0]
 
-
-def draft_reads_rows(target: Transformer, draft: DraftHead, pairs: Tensor, features: Tensor, lengths: Tensor,
-                     chunk: int) -> Tensor:
-    """draft_reads for a batch: row b's pairs (features [B, T, F], pairs [B, T]) up to its root at lengths[b] - 1,
-    chunk pairs per call; the head's output for each row's last pair [B, dim]."""
-    h_last = None
-    for s in range(0, pairs.shape[1], chunk):
-        e = min(s + chunk, pairs.shape[1])
-        last = (lengths - 1 - s).clamp(0, e - s - 1)
-        h = catch_up(target, draft, pairs[:, s:e], features[:, s:e], torch.full_like(lengths, s), last)
-        ends_here = ((lengths - 1 >= s) & (lengths - 1 < e))[:, None]
-        h_last = h if h_last is None else torch.where(ends_here, h, h_last)
-    return h_last
-
-
-def check_rows(model: Transformer, draft: Optional[DraftHead], n_rows: int):
-    """The caches hold at least n_rows rows."""
-    caches = [model.kv_cache] + ([draft.kv_cache] if draft is not None else [])
-    held = min(c.kv.shape[2] for c in caches) if all(c is not None for c in caches) else 0
-    if n_rows > held:
-        raise EagletError(f"{n_rows} prompts at once need caches of {n_rows} rows; they hold {held} "
-                          "(setup_caches(max_batch_size=...))")
-
-
-def one_prompt(prompt_tokens) -> list:
-    """The prompt as a list of ints; a batch (several prompts) is refused by name."""
-    if isinstance(prompt_tokens, Tensor):
-        if prompt_tokens.ndim == 2 and prompt_tokens.shape[0] == 1:
-            prompt_tokens = prompt_tokens[0]
-        prompt_tokens = prompt_tokens.tolist() if prompt_tokens.ndim == 1 else [prompt_tokens.tolist()]
-    prompt_tokens = list(prompt_tokens)
-    if not all(isinstance(t, int) for t in prompt_tokens):
-        raise EagletError("generate() takes one prompt, a list of token ids; for several prompts at once (a batch) "
-                          "call generate_batch")
-    return prompt_tokens
-
-
-def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: int = 0):
-    need = n_prompt + max_new_tokens + extra
-    if n_prompt == 0:
-        raise EagletError("the prompt is empty")
-    if max_new_tokens < 0:
-        raise EagletError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if need > model.max_seq_length:
-        raise EagletError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens})"
-                          f"{f' + tree scratch ({extra})' if extra else ''} = {need} exceeds the cache "
-                          f"({model.max_seq_length} tokens)")
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
-    embeddings, once; quantized ones as they are read: values, scales and zeros), but only one row of an embedding
-    table that is not also an lm_head."""
-    sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear:
-            sizes[m.weight.data_ptr()] = m.weight[0].numel() * m.weight.element_size()
-    return sum(sizes.values())
-
-
-def weights_format(module: torch.nn.Module) -> str:
-    """How a model's weights are stored: 'int4 g128, lm_head int8', 'int8', or the dtype of float weights."""
-    int4 = [m for m in module.modules() if isinstance(m, Int4Linear)]
-    int8 = any(isinstance(m, Int8Linear) for m in module.modules())
-    if int4:
-        return f"int4 g{int4[0].groupsize}" + (", lm_head int8" if int8 else "")
-    if int8:
-        return "int8"
-    return str(next(module.parameters()).dtype).removeprefix("torch.")
-
-
-def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
-    """Weights one speculative cycle reads: the target once (verify), and per draft pass (EAGLE: depth + 1,
-    DFlash: 1) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
-    lm_head = draft.lm_head_module(target)
-    own = any(lm_head is m for m in draft.modules())
-    passes = tree.draft_passes(draft)
-    return weight_bytes(target) + passes * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))
+        def take(new: list):
+            n = constraint.take(new)
+            finished = constraint.done()  # the grammar is complete (it took an EOS or allows nothing more)
+            ends["cut"] = n < len(new) and not finished
+            if fast_forward and not ends["cut"] and not finished:
+                run.extend(constraint.forced(max_new_tokens - len(tokens) - taken[0] - n))
+                finished = constraint.done()
+            taken[0] += n
+            keep = on_tokens(new[:n] + run) if on_tokens else None
+            if keep is not None:  # a stop string: the run's tokens past it go too
+                del run[max(keep - n, 0):]
+            ends["stopped"] = keep is not None or finished
+            return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
+        context = prompt_tokens + tokens
+        segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
+                           first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
+        first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
+        if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
+            raise EagletError("the grammar refused the token it had just allowed: no progress")
+        tokens += segment.tokens + run
+        accept_lengths += segment.accept_lengths
+        logprobs += segment.logprobs
+        if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
+            return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
+                                    logprobs, len(run) + 1 if segment.tokens else len(run))
+        start_pos = len(context) + len(segment.tokens) - 1

@@ -4,9 +4,10 @@
         --prompt "Hello, my name is" --compile
 """
 # (The docstring above is --help's text.) This file is the command line: flags, loading the target and head, and
-# main, over decode.py (sampling, the cycle, generate / generate_batch), tune.py (--tree auto, --total_tokens auto)
-# and chat.py (streaming, stop strings, the chat loop, a run's output). It imports those and model.py, draft.py,
-# tp.py, tokenizer.py and cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
+# main, over decode.py (sampling, the cycle, generate), graphs.py (--compile), batch.py (generate_batch),
+# step_aside.py (--step_aside), tune.py (--tree auto, --total_tokens auto) and chat.py (streaming, stop strings,
+# the chat loop, a run's output). It imports those and model.py, quantize.py, draft.py, tp.py, tokenizer.py and
+# cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
 import json
 import os
 import resource
@@ -245,14 +246,16 @@ import torch.distributed as dist  # noqa: E402
 
 from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa: E402
 from draft_tree import STATIC_CHOICES, StaticTree  # noqa: E402
-from decode import (GenerationResult, SamplingConfig, StepAside, TreeConfig, compile_settings, compile_step,  # noqa: E402
-                    prefill_chunk_of,
-                    cycle_weight_bytes, decode_one_token, generate, generate_batch, speculative_cycle, weight_bytes,
-                    weights_format)
+from decode import (GenerationResult, SamplingConfig, TreeConfig, decode_one_token, generate,  # noqa: E402
+                    prefill_chunk_of, speculative_cycle)
+from graphs import compile_settings, compile_step  # noqa: E402
+from batch import generate_batch  # noqa: E402
+from step_aside import StepAside  # noqa: E402
 from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab  # noqa: E402
 from checkpoint import EagletError, converted_file, read_config  # noqa: E402
 from model import Transformer, context_limit  # noqa: E402
+from quantize import weight_bytes, weights_format  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
 from tune import AUTO_SIZES, auto_tree, pick_total_tokens, tuning_cache_size, widest_tree  # noqa: E402
@@ -374,6 +377,15 @@ def why_no_draft_vocab(draft: DraftHead) -> str:
     if isinstance(draft, Eagle3Draft) or getattr(draft, "lm_head", None) is not None:
         return "this head has its own draft vocabulary (d2t)"
     return f"a {head_name(draft)} head scores the target's whole vocabulary"
+
+
+def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
+    """Weights one speculative cycle reads: the target once (verify), and per draft pass (EAGLE: depth + 1,
+    DFlash: 1) the head and the lm_head it scores with (the target's, its rows for a draft vocabulary, or its own)."""
+    lm_head = draft.lm_head_module(target)
+    own = any(lm_head is m for m in draft.modules())
+    passes = tree.draft_passes(draft)
+    return weight_bytes(target) + passes * (weight_bytes(draft) + (0 if own else weight_bytes(lm_head)))
 
 
 def report(result: GenerationResult, model: Transformer, device: str, draft: Optional[DraftHead] = None,

@@ -95,7 +95,7 @@ def pack_int4(q: Tensor) -> Tensor:
 class Int8Linear(nn.Module):
     """Weight-only int8: w = weight * scales (symmetric, one scale per output channel). The weight is scaled
     inside the matmul's input (scaling the output instead overflows fp16: x @ q is 127 / max|w| times too
-    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see decode.compile_settings).
+    big), which inductor fuses into a one-token GEMV that reads int8 bytes (see graphs.compile_settings).
     On a CPU, bf16 activations go through torch's int8 kernel instead (cpu_kernel_takes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -290,6 +290,29 @@ def pack_quantized(module: nn.Module):
     for m in module.modules():
         if isinstance(m, Int4Linear) and m.packed_for is None:
             m.pack()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward over one token reads: every weight once (shared tensors, e.g. tied
+    embeddings, once; quantized ones as they are read: values, scales and zeros), but only one row of an embedding
+    table that is not also an lm_head."""
+    sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    linear = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.weight.data_ptr() not in linear:
+            sizes[m.weight.data_ptr()] = m.weight[0].numel() * m.weight.element_size()
+    return sum(sizes.values())
+
+
+def weights_format(module: torch.nn.Module) -> str:
+    """How a model's weights are stored: 'int4 g128, lm_head int8', 'int8', or the dtype of float weights."""
+    int4 = [m for m in module.modules() if isinstance(m, Int4Linear)]
+    int8 = any(isinstance(m, Int8Linear) for m in module.modules())
+    if int4:
+        return f"int4 g{int4[0].groupsize}" + (", lm_head int8" if int8 else "")
+    if int8:
+        return "int8"
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
 
 
 def pop_quantization(state_dict: dict, path) -> Optional[dict]:

@@ -14,7 +14,9 @@ import torch
 
 import generate
 from chat import TextStreamer, warm_up
-from decode import SamplingConfig, StepAside, compile_settings, compile_step, decode_one_token, speculative_cycle
+from decode import SamplingConfig, decode_one_token, speculative_cycle
+from graphs import compile_settings, compile_step
+from step_aside import StepAside
 from grammar import grammar_tokenizer, token_bytes
 from reasoning import thinking_tokens
 

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from cli import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, grid_text, torchrun_rank
-from decode import (SamplingConfig, TreeConfig, device_sync, draft_start, generate, prefill, sample,
-                    speculative_cycle, weights_format)
+from decode import SamplingConfig, TreeConfig, device_sync, draft_start, generate, prefill, sample, speculative_cycle
 from draft import DraftHead
 from attention import causal_mask
 from model import EagletError, Transformer, context_limit
+from quantize import weights_format
 import tp
 
 

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
-import decode  # noqa: E402
 import generate  # noqa: E402
+import graphs  # noqa: E402
 from attention import causal_mask  # noqa: E402
 from decode import SamplingConfig, TreeConfig, prefill  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -222,7 +222,7 @@ def compiled_step(key, plain: bool, device: str, captured: bool = False):
         torch._dynamo.reset()
         _compiled.clear()
         step_fn = generate.decode_one_token if plain else generate.speculative_cycle
-        _compiled[key] = (decode.CapturedGraphs(torch.compile(step_fn, fullgraph=True)) if captured
+        _compiled[key] = (graphs.CapturedGraphs(torch.compile(step_fn, fullgraph=True)) if captured
                           else generate.compile_step(step_fn, device))
     return _compiled[key]
 

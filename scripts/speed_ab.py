@@ -83,17 +83,18 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
     import attention
     import bench
     import decode
+    import graphs as step_graphs  # (graphs: a row's name for them, below)
     from decode import SamplingConfig, TreeConfig, generate
     from cli import DEFAULT_DRAFT_VOCAB
     from head_formats import default_draft_vocab
     speculative, graphs, vocab, split = ROWS[name]
     GREEDY = SamplingConfig()
-    decode.GRAPHS, attention.SPLIT_ATTENTION = graphs, split
+    step_graphs.GRAPHS, attention.SPLIT_ATTENTION = graphs, split
     torch._dynamo.reset()
     draft.draft_to_target = draft.vocab_lm_head = None  # the whole vocabulary
     if vocab:
         draft.restrict_vocab(target, default_draft_vocab(target.args.vocab_size, (), DEFAULT_DRAFT_VOCAB))
-    fn = decode.compile_step(decode.speculative_cycle if speculative else decode.decode_one_token, device)
+    fn = step_graphs.compile_step(decode.speculative_cycle if speculative else decode.decode_one_token, device)
     tree = TreeConfig(6, 10, 60)
     kwargs = {"draft": draft, "tree": tree} if speculative else {}
     t0 = time.perf_counter()

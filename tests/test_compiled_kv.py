@@ -11,8 +11,9 @@ from torch._inductor import metrics
 
 import bench
 from draft import EagleDraft
-from decode import SamplingConfig, TreeConfig, compile_step, decode_one_token, generate, generate_batch, \
-    speculative_cycle
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, decode_one_token, generate, speculative_cycle
+from graphs import compile_step
 import model
 from model import KVCache, ModelArgs, Transformer
 from quantize import quantize_state_dict
@@ -138,11 +139,11 @@ def test_cache_in_several_buffers_decodes_as_one(monkeypatch):
 def test_cuda_plain_step_is_captured_by_default_and_the_cycle_on_graph_trees(monkeypatch):
     """The defaults that a GPU measured (the plain step as CapturedGraphs) and EAGLET_GRAPHS's two overrides. Only
     wrappers are built here: nothing runs, so no GPU is needed."""
-    import decode
+    import graphs
     kinds = lambda: [type(compile_step(fn, "cuda")).__name__ for fn in (decode_one_token, speculative_cycle)]
     assert kinds()[0] == "CapturedGraphs" and kinds()[1] != "CapturedGraphs"
-    monkeypatch.setattr(decode, "GRAPHS", "manual")
+    monkeypatch.setattr(graphs, "GRAPHS", "manual")
     assert kinds() == ["CapturedGraphs", "CapturedGraphs"]
-    monkeypatch.setattr(decode, "GRAPHS", "trees")
+    monkeypatch.setattr(graphs, "GRAPHS", "trees")
     assert "CapturedGraphs" not in kinds()
     assert type(compile_step(decode_one_token, "cpu")).__name__ != "CapturedGraphs"

@@ -5,7 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import random_models
-from decode import SamplingConfig, TreeConfig, draft_start, generate, generate_batch, prefill
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, draft_start, generate, prefill
 from generate import load_target
 from model import EagletError
 

@@ -9,6 +9,7 @@ import torch
 
 import decode
 import generate
+import graphs
 from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig, accept, logits_to_probs, sample
@@ -190,8 +191,8 @@ def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compili
     target_dir, model, draft = pair
     torch._dynamo.reset()
     counters.clear()  # graphs other tests compiled in this process before
-    steps = {"plain": ({}, decode.compile_step(decode.decode_one_token, "cpu")),
-             "EAGLE-2": ({"draft": draft, "tree": TREE}, decode.compile_step(decode.speculative_cycle, "cpu"))}
+    steps = {"plain": ({}, graphs.compile_step(decode.decode_one_token, "cpu")),
+             "EAGLE-2": ({"draft": draft, "tree": TREE}, graphs.compile_step(decode.speculative_cycle, "cpu"))}
     for kwargs, step in steps.values():
         for warm in (SamplingConfig(), SamplingConfig(1.0), SamplingConfig(logprobs=0), SamplingConfig(1.0, logprobs=0)):
             generate.generate(model, PROMPT, 8, warm, step_fn=step, **kwargs)

@@ -7,7 +7,8 @@ import torch
 import generate
 from conftest import ROOT, expect_error, read_generation
 from attention import causal_mask
-from decode import SamplingConfig, compile_step, draft_start, prefill, speculative_cycle
+from decode import SamplingConfig, draft_start, prefill, speculative_cycle
+from graphs import compile_step
 from draft_tree import StaticTree
 from model import EagletError
 from tokenizer import Tokenizer
