@@ -14,7 +14,7 @@ the names forks use (from generate import generate).
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Callable, Optional
 
@@ -31,11 +31,17 @@ import tp
 MAX_TOP_LOGPROBS = 20
 
 
+def tensor_setting(default):
+    """A sampling setting that compiled code reads from a tensor (SamplingInputs): each value runs the same graph. A
+    new one is a field made so, read by name in logits_to_probs, and checked in __post_init__."""
+    return field(default=default, metadata={"tensor": True})
+
+
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k filter
+    temperature: float = tensor_setting(0.0)  # 0 means greedy
+    top_p: float = tensor_setting(1.0)
+    top_k: int = tensor_setting(0)  # 0 means no top-k filter
     logprobs: int = -1  # k >= 0: each token's logprob under the target and its k likeliest tokens (token_scores)
 
     def __post_init__(self):
@@ -55,25 +61,33 @@ class SamplingConfig:
         return self.temperature == 0
 
     def inputs(self, device) -> "SamplingInputs":
-        """These settings as the step and the cycle take them; made once a generation (a copy to the device)."""
-        settings = [self.temperature, self.top_p, float(min(self.top_k, 1 << 24))]  # k past any vocabulary: no filter
-        return SamplingInputs(self.greedy, torch.tensor(settings, dtype=torch.float32, device=device),
+        """These settings as the step and the cycle take them; made once a generation (a copy to the device). Whole
+        numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
+        values = [getattr(self, name) for name in TENSOR_SETTINGS]
+        values = [float(min(v, 1 << 24)) if isinstance(v, int) else v for v in values]
+        return SamplingInputs(self.greedy, torch.tensor(values, dtype=torch.float32, device=device),
                               MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1)
+
+
+TENSOR_SETTINGS = tuple(f.name for f in fields(SamplingConfig) if f.metadata.get("tensor"))
 
 
 @dataclass
 class SamplingInputs:
-    """A SamplingConfig as a compiled step or cycle reads it: temperature, top_p and top_k are one tensor, so every
-    setting runs the same graph (as constants, each distinct value would compile another, and past torch's recompile
-    limit a request would fail). Two things stay constants, for what they leave out of the graph: greedy (argmax, no
+    """A SamplingConfig as a compiled step or cycle reads it: the tensor settings (TENSOR_SETTINGS) are one tensor,
+    so every value runs the same graph (as constants, each distinct value would compile another, and past torch's
+    recompile limit a request would fail). Two things stay constants, for what they leave out of the graph: greedy (argmax, no
     filter) and whether logprobs are asked for (token_scores of MAX_TOP_LOGPROBS alternatives, whatever the k: the
     host reads the k asked for). So a step or cycle has four graphs at most, whatever the settings."""
     greedy: bool
-    settings: Tensor  # [3] float32: temperature, top_p, top_k (0: no top-k filter)
+    settings: Tensor  # float32, one value a name of TENSOR_SETTINGS, in its order
     logprobs: int = -1  # MAX_TOP_LOGPROBS with logprobs, or -1
 
     def inputs(self, device) -> "SamplingInputs":
         return self
+
+    def named(self) -> dict:
+        return dict(zip(TENSOR_SETTINGS, self.settings.unbind()))
 
 
 @dataclass
@@ -172,7 +186,8 @@ def check_chunk(chunk):
 def logits_to_probs(logits: Tensor, sampling) -> Tensor:
     """The target distribution under temperature, top-k and top-p; the one place sampling is defined. sampling: a
     SamplingConfig or its SamplingInputs; the settings are read as tensors either way (no shape depends on them)."""
-    temperature, top_p, top_k = sampling.inputs(logits.device).settings.unbind()
+    settings = sampling.inputs(logits.device).named()
+    temperature, top_p, top_k = settings["temperature"], settings["top_p"], settings["top_k"]
     logits = logits.float()
     # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
     # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.

@@ -102,7 +102,8 @@ def sampling_of(body: dict, chat: bool = True) -> tuple:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
-    return SamplingConfig(temperature, top_p, top_k, logprobs_of(body, chat)), seed, stop
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs_of(body, chat))
+    return sampling, seed, stop
 
 
 def messages_of(body: dict) -> list:

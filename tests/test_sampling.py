@@ -213,3 +213,13 @@ def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compili
                                        step_fn=steps["EAGLE-2"][1]).tokens)] += 1
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_the_tensor_settings_are_named_by_the_config_fields():
+    """A compiled step reads the sampling settings from one tensor, each by its SamplingConfig field's name; whole
+    numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
+    from decode import TENSOR_SETTINGS
+    assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k")
+    named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, logprobs=3).inputs("cpu").named()
+    assert {k: v.item() for k, v in named.items()} == {"temperature": 0.5, "top_p": 0.25, "top_k": 7.0}
+    assert SamplingConfig(top_k=10**9).inputs("cpu").named()["top_k"].item() == 2**24
