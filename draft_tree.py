@@ -154,9 +154,7 @@ def build_tree(step, topk_fn, h_last: Tensor, root: Tensor, ctx_len: Tensor, top
         parent = best // topk
         tokens, features, anc = child_tokens.flatten(-2).gather(-1, best), take(h, parent), take(anc, parent)
         frontier = base + best
-    pool_scores = torch.cat(pool_scores, dim=-1)
-    return layout_tree(choose_nodes(pool_scores, total_tokens), torch.cat(pool_tokens, dim=-1),
-                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, depth + 1)
+    return pick_tree(pool_scores, pool_tokens, pool_logp, pool_parents, root, depth + 1, total_tokens)
 
 
 def lattice(target: Transformer, head, root: Tensor, ctx_len: Tensor, h_last: Tensor, levels: int, k: int):
@@ -194,17 +192,27 @@ def grow_lattice(children, root: Tensor, levels: int, k: int, total_tokens: int)
         pool_parents.append(frontier.repeat_interleave(k, dim=-1))
         scores, best = child_scores.topk(k)
         tokens, frontier = child_ids.gather(-1, best), k + (i - 1) * k * k + best
-    return layout_tree(choose_nodes(torch.cat(pool_scores, dim=-1), total_tokens), torch.cat(pool_tokens, dim=-1),
-                       torch.cat(pool_logp, dim=-1), torch.cat(pool_parents, dim=-1), root, levels)
+    return pick_tree(pool_scores, pool_tokens, pool_logp, pool_parents, root, levels, total_tokens)
 
 
-def choose_nodes(pool_scores: Tensor, total_tokens: int) -> Tensor:
+def pick_tree(pool_scores: list, pool_tokens: list, pool_logp: list, pool_parents: list, root: Tensor, levels: int,
+              total_tokens: int) -> DraftTree:
+    """The tree kept from a grown pool, given level by level (lists of [..., n] tensors, level 0 first)."""
+    depths = torch.cat([torch.full_like(s, i, dtype=torch.long) for i, s in enumerate(pool_scores)], dim=-1)
+    parents = torch.cat(pool_parents, dim=-1)
+    kept = choose_nodes(torch.cat(pool_scores, dim=-1), parents, depths, total_tokens)
+    return layout_tree(kept, torch.cat(pool_tokens, dim=-1), torch.cat(pool_logp, dim=-1), parents, root, levels)
+
+
+def choose_nodes(scores: Tensor, parents: Tensor, depths: Tensor, total_tokens: int) -> Tensor:
     """EAGLE-2's rerank: the pool indices of the total_tokens - 1 best nodes by cumulative score, in pool order
-    (per row of a batch).
+    (per row of a batch). Each candidate comes with its path's score, its parent's pool index (-1: the root) and
+    its depth (0: a child of the root), all [..., pool]: a fork's rule (a cap per depth, a bonus by parent) reads
+    them here. Whatever the rule, the kept set must be a tree: every kept node's parent kept.
 
     The pool is in level order, so parents come before children; a child never scores above its parent,
     and a stable sort breaks ties by pool order, so the kept set is a tree (every parent kept too)."""
-    order = torch.sort(pool_scores, dim=-1, descending=True, stable=True).indices
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     return order[..., :total_tokens - 1].sort(dim=-1).values
 
 

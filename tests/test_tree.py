@@ -90,3 +90,36 @@ def test_tree_matches_brute_force(topk, depth, total_tokens, seed):
         assert mask[:, :11].all() and not mask[:, 11 + (i + 1) * topk:].any()
         seen = [tuple(slot_token[s] for s in range(11, size) if mask[row, s]) for row in range(topk)]
         assert sorted(seen) == sorted(n[0] for n in levels[i])
+
+
+def test_the_rerank_is_given_each_candidates_parent_and_depth(monkeypatch):
+    """choose_nodes, the rule a fork changes, gets every candidate's parent (pool index, -1: the root) and depth,
+    true to the grown pool: a parent one level up, 0 at the root's children. A fork's cap of two nodes a depth,
+    written against them, gives a tree of at most two nodes a depth."""
+    import draft_tree
+    seen, default = [], draft_tree.choose_nodes
+
+    def capped(scores, parents, depths, total_tokens):
+        kept, per_depth = [], {}  # the best first, two a depth, a node only below a kept parent
+        for i in torch.sort(scores, descending=True, stable=True).indices.tolist():
+            d, p = depths[i].item(), parents[i].item()
+            if per_depth.get(d, 0) < 2 and (p < 0 or p in kept) and len(kept) < total_tokens - 1:
+                kept.append(i)
+                per_depth[d] = per_depth.get(d, 0) + 1
+        return torch.tensor(sorted(kept))
+
+    draft, h_last = FakeDraft(0), torch.randn(H, generator=torch.Generator().manual_seed(100))
+    grow = partial(build_tree, draft.step, lambda h, k: draft.logp(h).topk(k), h_last, torch.tensor(7),
+                   torch.tensor(11), 3, 4, 9, partial(attention_mask, max_seq_length=40))
+    monkeypatch.setattr(draft_tree, "choose_nodes", lambda *a: seen.append(a[:3]) or default(*a))
+    grow()
+    scores, parents, depths = seen[0]
+    assert depths.tolist() == [0] * 3 + [1] * 9 + [2] * 9 + [3] * 9 + [4] * 9
+    assert all((p == -1) == (d == 0) for p, d in zip(parents.tolist(), depths.tolist()))
+    assert all(depths[p] == d - 1 for p, d in zip(parents.tolist(), depths.tolist()) if p >= 0)
+    assert all(scores[p] >= s for p, s in zip(parents.tolist(), scores.tolist()) if p >= 0)
+    monkeypatch.setattr(draft_tree, "choose_nodes", capped)
+    tree = grow()
+    counts = torch.bincount(tree.depths)[1:]
+    assert counts.sum() == 8 and counts.max() == 2 and all(tree.parents[i] < i for i in range(1, 9))
+    assert torch.bincount(depths[default(scores, parents, depths, 9)]).max() > 2  # the cap changed the tree
