@@ -3,11 +3,12 @@
     python generate.py --checkpoint_path checkpoints/meta-llama/Llama-2-7b-chat-hf/model.pth \\
         --prompt "Hello, my name is" --compile
 """
-# (The docstring above is --help's text.) This file is the command line: flags, loading the target and head, and
-# main, over decode.py (sampling, the cycle, generate), graphs.py (--compile), batch.py (generate_batch),
-# step_aside.py (--step_aside), tune.py (--tree auto, --total_tokens auto) and chat.py (streaming, stop strings,
-# the chat loop, a run's output). It imports those and model.py, quantize.py, draft.py, tp.py, tokenizer.py and
-# cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
+# (The docstring above is --help's text.) This file is the command line: flags, and main, over load.py (the target,
+# the head, the tree and the caches, from the flags as keywords), decode.py (sampling, the cycle, generate),
+# graphs.py (--compile), batch.py (generate_batch), step_aside.py (--step_aside), tune.py (--tree auto,
+# --total_tokens auto) and chat.py (streaming, stop strings, the chat loop, a run's output). It imports those and
+# model.py, quantize.py, draft.py, tp.py, tokenizer.py and cli.py, and re-exports nothing: the tools (bench.py,
+# train_draft.py, serve.py, scripts/) import it for its flags and its report only.
 import json
 import os
 import sys
