@@ -347,8 +347,8 @@ def main(argv=None):
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         args.grammar = grammar_flag(args)
         group = tp.start(args.device)
-        model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, load, **load_settings(args),
-                                                                           group=group)
+        model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, partial(load, group=group),
+                                                                           **load_settings(args))
         # the checkpoints as the files load read (a folder names its one file): the tuning's key, the start-up line
         args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
         if args.draft_checkpoint_path:
