@@ -46,11 +46,12 @@ def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatc
 def test_streamer_waits_for_whole_multibyte_characters(tmp_path, capsys):
     """A byte-level BPE tokenizer splits 'é', '世' and '🙂' over several tokens: the streamer prints a character
     only once it is whole (never U+FFFD), and in the end exactly the decoded text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 bytes as printable characters
     vocab = {c: i for i, c in enumerate(alphabet)}
     vocab.update({"Ã©": 256, "Ġä": 257})  # é whole; a space and the first byte of 世
-    tok = Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ġ", "ä")]))
+    tok = tokenizers.Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ġ", "ä")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))

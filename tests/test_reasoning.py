@@ -131,7 +131,8 @@ def tokenizer(request, tmp_path_factory):
     pytest.importorskip("llguidance", reason=GRAMMAR_ENGINE)
     if request.param == "sentencepiece":
         return Tokenizer(ROOT / "demo" / "target")
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
 
     from convert_gguf import gguf_tokenizer, read_gguf
     folder = tmp_path_factory.mktemp("tokenizer")

@@ -219,7 +219,8 @@ def smollm2_tokenizer(folder, renamed=(), special=True, added=(), config=None,
     special ones (<repo_name>, <reponame>, ...: ids its embedding has rows for), special or not; added, tokens after
     its vocabulary as Qwen adds its tags (not special: they decode to their text); config: tokenizer_config.json;
     template: one of tests/data/templates."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
 
     from convert_gguf import gguf_tokenizer, read_gguf
     tok = json.loads(gguf_tokenizer(read_gguf(smollm2_gguf()))["tokenizer.json"])
