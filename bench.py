@@ -24,7 +24,8 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
-from cli import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ABOVE, PRECISION_NAMES, cli_parser, int_flag, torchrun_rank
+from cli import (DEFAULT_DRAFT_VOCAB, DEMO_PROMPT, DRAFT_VOCAB_ABOVE, PRECISION_NAMES, cli_parser, int_flag,
+                 torchrun_rank)
 
 SIDE_PROMPT, SIDE_TOKENS = 64, 128  # the side-by-side run: random prompt tokens, tokens generated
 SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
@@ -154,8 +155,8 @@ from decode import (SamplingConfig, TreeConfig, catch_up, commit, decode_one_tok
 from graphs import compile_settings, compile_step  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from quantize import weight_bytes, weights_format  # noqa: E402
-from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writable, cycle_weight_bytes,  # noqa: E402
-                      draft_vocab_of, load_draft, load_target, pick_device)
+from generate import DEMO_MAX_NEW_TOKENS, cycle_weight_bytes  # noqa: E402
+from load import PRECISIONS, check_writable, draft_vocab_of, load_draft, load_target, pick_device  # noqa: E402
 from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402

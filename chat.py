@@ -61,11 +61,11 @@ class TextStreamer:
         self.printed = upto
 
 
-def encode_prompts(args, tokenizer: Tokenizer, texts) -> list:
-    """Prompts as token lists, through the chat template (with --system) under --chat or --interactive."""
-    if not (args.chat or args.interactive):
+def encode_prompts(tokenizer: Tokenizer, texts, chat: bool = False, system: Optional[str] = None) -> list:
+    """Prompts as token lists; with chat (--chat or --interactive), through the chat template (with --system)."""
+    if not chat:
         return [tokenizer.encode(text) for text in texts]
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": system}] if system else []
     return [tokenizer.encode_chat(system + [{"role": "user", "content": text}]) for text in texts]
 
 

@@ -8,8 +8,8 @@ Imports model.py, attention.py, draft_tree.py, draft.py and tp.py, nothing above
 step_aside.py (plain steps where speculation does not pay); what a step reads in weights is in quantize.py and
 generate.py.
 The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
-main runs the tuner: with the cycle in generate.py, the two would import each other. generate.py re-exports
-the names forks use (from generate import generate).
+main runs the tuner: with the cycle in generate.py, the two would import each other. Forks import these names from
+here (from decode import generate); load.py loads a target and a head for them.
 """
 import math
 import os

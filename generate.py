@@ -3,14 +3,14 @@
     python generate.py --checkpoint_path checkpoints/meta-llama/Llama-2-7b-chat-hf/model.pth \\
         --prompt "Hello, my name is" --compile
 """
-# (The docstring above is --help's text.) This file is the command line: flags, loading the target and head, and
-# main, over decode.py (sampling, the cycle, generate), graphs.py (--compile), batch.py (generate_batch),
-# step_aside.py (--step_aside), tune.py (--tree auto, --total_tokens auto) and chat.py (streaming, stop strings,
-# the chat loop, a run's output). It imports those and model.py, quantize.py, draft.py, tp.py, tokenizer.py and
-# cli.py; only the tools (bench.py, train_draft.py, scripts/) import it.
+# (The docstring above is --help's text.) This file is the command line: flags, and main, over load.py (the target,
+# the head, the tree and the caches, from the flags as keywords), decode.py (sampling, the cycle, generate),
+# graphs.py (--compile), batch.py (generate_batch), step_aside.py (--step_aside), tune.py (--tree auto,
+# --total_tokens auto) and chat.py (streaming, stop strings, the chat loop, a run's output). It imports those and
+# model.py, quantize.py, draft.py, tp.py, tokenizer.py and cli.py, and re-exports nothing: the tools (bench.py,
+# train_draft.py, serve.py, scripts/) import it for its flags and its report only.
 import json
 import os
-import resource
 import sys
 from argparse import ArgumentTypeError
 from collections import Counter
@@ -241,43 +241,31 @@ def read_prompts(path: Path) -> list:
 if __name__ == "__main__":
     parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa: E402
-from draft_tree import STATIC_CHOICES, StaticTree  # noqa: E402
 from decode import (GenerationResult, SamplingConfig, TreeConfig, decode_one_token, generate,  # noqa: E402
-                    prefill_chunk_of, speculative_cycle)
+                    speculative_cycle)
 from graphs import compile_settings, compile_step  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from step_aside import StepAside  # noqa: E402
-from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
-from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab  # noqa: E402
-from checkpoint import EagletError, converted_file, read_config  # noqa: E402
-from model import Transformer, context_limit  # noqa: E402
-from quantize import weight_bytes, weights_format  # noqa: E402
+from draft import DraftHead  # noqa: E402
+from checkpoint import EagletError, converted_file  # noqa: E402
+from load import describe, load, peak_memory_gb, pick_device  # noqa: E402
+from model import Transformer  # noqa: E402
+from quantize import weight_bytes  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tp  # noqa: E402
-from tune import AUTO_SIZES, auto_tree, pick_total_tokens, tuning_cache_size, widest_tree  # noqa: E402
-# Names that lived here before decode.py, tune.py and chat.py took them, at their old import path for forks.
-from chat import TextStreamer  # noqa: E402,F401
-from tune import pick_tree, tune_tree  # noqa: E402,F401
+from tune import auto_tree, pick_total_tokens  # noqa: E402
 
-PRECISIONS = dict(zip(PRECISION_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
-
-
-def peak_memory_gb(device) -> float:
-    if str(device).startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+# The flags load() takes, each as the keyword of its name (prompts: the texts parse_args gathered).
+LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_vocab", "device", "precision", "tree", "depth",
+              "tree_topk", "total_tokens", "tree_choices", "confidence", "draft_window", "draft_sinks",
+              "prefill_chunk", "chat_template", "chat_template_kwargs", "max_seq_length", "temperature", "top_p",
+              "top_k", "prompts", "chat", "interactive", "system", "max_new_tokens", "batch_size", "json_out")
 
 
-def pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise EagletError("--device cuda was asked for but no CUDA device is available")
-    return name
+def load_settings(args) -> dict:
+    """load()'s keywords from the parsed flags."""
+    return {name: getattr(args, name) for name in LOAD_FLAGS}
 
 
 def grammar_flag(args) -> Optional[str]:
@@ -312,71 +300,6 @@ def stepping_aside(gen, plain_fn):
 def constrained(gen, tokenizer: Tokenizer, n_vocab: int, grammar: str):
     from grammar import Constraint
     return lambda *a, **k: gen(*a, constraint=Constraint(tokenizer, n_vocab, grammar), **k)
-
-
-def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0, group=None) -> Transformer:
-    """The target on device in precision, with a KV cache of max_seq_length slots (none if 0).
-    checkpoint_path: model.pth (or a quantized one) or its folder. group: tensor parallel, this rank's shard."""
-    path, dtype = converted_file(checkpoint_path, "model.pth"), PRECISIONS[precision]
-    model = tp.load_sharded(path, group, device, dtype) if group is not None else \
-        Transformer.from_checkpoint(path, device=device, dtype=dtype)
-    if max_seq_length:
-        with torch.device(device):
-            model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
-    return model
-
-
-def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None, keep_ids=()) -> DraftHead:
-    """A head of any kind eaglet reads for this target, on its device and in its dtype, with a cache as long as
-    the target's (if that has one yet). The target is set to return the features the head reads.
-    draft_vocab: the target ids an EAGLE-1/2 head may propose (draft_vocab_of; "0" or "full": all of them);
-    keep_ids (the EOS tokens) join the default draft vocabulary."""
-    checkpoint_path = converted_file(checkpoint_path, "draft.pth")
-    weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
-    draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
-    check_target_copies(draft, target)
-    target.set_feature_layers(draft.feature_layers)
-    if not isinstance(draft, EagleDraft):
-        if draft_vocab is not None and str(draft_vocab) not in ("full", "0"):
-            raise EagletError(f"--draft_vocab is for EAGLE-1/2 heads; {why_no_draft_vocab(draft)}")
-    else:
-        token_ids, source = draft_vocab_of(draft_vocab, Path(checkpoint_path).parent, target.args.vocab_size, keep_ids)
-        if token_ids is not None and (draft_vocab is not None or can_take_rows(target)):
-            draft.restrict_vocab(target, token_ids, source)
-            if log:
-                log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft.draft_vocab_source}")
-    if target.max_seq_length:
-        draft.setup_caches(target.max_seq_length)
-    return draft
-
-
-def can_take_rows(target: Transformer) -> bool:
-    """Whether the target's lm_head gives a draft vocabulary its rows (bf16 or int8); the default draft vocabulary
-    is left out where it does not, a file asked for is refused there (draft.linear_rows says why)."""
-    return isinstance(target.output, torch.nn.Linear) or hasattr(target.output, "rows")
-
-
-def draft_vocab_of(draft_vocab, head_dir: Optional[Path], vocab_size: int, keep_ids=()) -> tuple:
-    """(the target ids an EAGLE-1/2 head drafts over, None for all; where they come from). The file draft_vocab names;
-    else draft_vocab.json beside the head; else, on a target of more than DRAFT_VOCAB_ABOVE ids, the
-    DEFAULT_DRAFT_VOCAB lowest ids with keep_ids (head_formats.default_draft_vocab: most frequent first, roughly, in a
-    BPE tokenizer); else all. The target verifies over every id whatever the draft proposes: the output is the same."""
-    if str(draft_vocab) in ("full", "0"):
-        return None, "full"
-    if draft_vocab is None and head_dir is not None and (head_dir / "draft_vocab.json").is_file():
-        draft_vocab = head_dir / "draft_vocab.json"
-    if draft_vocab is not None:
-        return read_draft_vocab(draft_vocab, vocab_size), str(draft_vocab)
-    if vocab_size > DRAFT_VOCAB_ABOVE:
-        return (default_draft_vocab(vocab_size, keep_ids, DEFAULT_DRAFT_VOCAB),
-                f"the {DEFAULT_DRAFT_VOCAB} lowest ids (the default over {DRAFT_VOCAB_ABOVE}; --draft_vocab 0: all)")
-    return None, "full"
-
-
-def why_no_draft_vocab(draft: DraftHead) -> str:
-    if isinstance(draft, Eagle3Draft) or getattr(draft, "lm_head", None) is not None:
-        return "this head has its own draft vocabulary (d2t)"
-    return f"a {head_name(draft)} head scores the target's whole vocabulary"
 
 
 def cycle_weight_bytes(target: Transformer, draft: DraftHead, tree: TreeConfig) -> int:
@@ -414,188 +337,6 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
               f"(tokens per cycle: count -- {histogram})")
 
 
-def check_writable(path: Path, what: str):
-    """Refuse, before any long work, an output file that cannot be written (missing folder, a directory,
-    a read-only place). Creates nothing that was not there."""
-    path = Path(path)
-    if path.is_dir():
-        raise EagletError(f"{what} {path} is a directory")
-    if not path.parent.is_dir():
-        raise EagletError(f"{what} {path}: the folder {path.parent} does not exist")
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise EagletError(f"{what} {path} cannot be written: {e.strerror}")
-    if not existed:
-        path.unlink()
-
-
-def set_confidence(draft: Optional[DraftHead], confidence: float):
-    """--confidence: the threshold a DSpark head's confidence head cuts its drafts at."""
-    if confidence and getattr(draft, "confidence_head", None) is None:
-        raise EagletError(f"--confidence is for DSpark heads with a confidence head; "
-                          f"{'no head is loaded' if draft is None else 'this head has none'}")
-    if confidence:
-        draft.confidence = confidence
-
-
-def configs(args, draft: Optional[DraftHead] = None):
-    """SamplingConfig and TreeConfig from the flags (the depth by default the head's); with --total_tokens
-    auto or --tree auto, the tree sized for its largest candidate (the cache is sized for it; the choice itself
-    is made once the model is loaded)."""
-    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k)
-    if args.tree == "static":
-        tree = StaticTree(args.tree_choices or STATIC_CHOICES)
-        if draft is not None:
-            tree.check(draft)
-        return sampling, tree
-    if args.tree == "auto":  # the grid's tree of the most scratch, for the cache; the tree itself is tuned later
-        return sampling, widest_tree(draft)
-    head = draft or DraftHead
-    tree = TreeConfig(args.depth or head.default_depth, args.tree_topk or head.default_topk, 2)  # checks them
-    auto = args.total_tokens == "auto"
-    if draft is not None:
-        tree.check(draft)
-    size = min(max(AUTO_SIZES), tree.max_total_tokens) if auto else \
-        args.total_tokens or min(TreeConfig.total_tokens, tree.max_total_tokens)  # a chain: all its nodes
-    return sampling, replace(tree, total_tokens=size)  # checks the size
-
-
-def cache_length(args, model: Transformer, prompt: Optional[list], scratch: int) -> int:
-    """--max_seq_length, or what this run needs; a total over the model's limit names its parts."""
-    limit, limit_words = context_limit(model.args)
-    if prompt is None:
-        size = args.max_seq_length or min(4096, limit)
-        if size < scratch + 16:  # --interactive: room for a short turn and its reply
-            raise EagletError(f"--max_seq_length {size} leaves no room for a conversation beside the tree scratch "
-                              f"({scratch}): give at least {scratch + 16}")
-        return size
-    need = len(prompt) + args.max_new_tokens + scratch
-    bound, what = (args.max_seq_length, f"--max_seq_length ({args.max_seq_length})") if args.max_seq_length else \
-        (limit, f"the model's {limit_words}")
-    if need > bound:
-        raise EagletError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({args.max_new_tokens})"
-                          f"{f' + tree scratch ({scratch})' if scratch else ''} = {need} exceeds {what}")
-    return args.max_seq_length or need
-
-
-def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
-    """A model's embedding table may be padded a little past its tokenizer (Qwen2: by 0.3%), never by 10%,
-    unless its config.json says which tokens it emits (tokenizer_vocab_size: the inflated demo's)."""
-    n_tok, n_model = tokenizer.vocab_size, model.args.extra.get("tokenizer_vocab_size") or model.args.vocab_size
-    if n_tok > n_model or n_tok < 0.9 * n_model:
-        raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
-
-
-def load(args, group=None):
-    """Model, tokenizer, draft, the tree, the prompts' tokens (None for --interactive) and the rows the caches
-    hold, as the flags ask; under tensor parallel (group) this rank's shard of the target. No collective
-    here: tp.agreed runs it."""
-    sampling, tree = configs(args)  # checks the flags before anything is loaded
-    if args.json_out and not torchrun_rank():  # rank 0 writes it
-        check_writable(args.json_out, "--json_out")
-    args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
-    if args.draft_checkpoint_path:
-        args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
-    model = load_target(args.checkpoint_path, args.device, args.precision, group=group)
-    tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template, args.chat_template_kwargs)
-    draft = load_draft(args.draft_checkpoint_path, model, args.draft_vocab, log=print, keep_ids=tokenizer.eos_ids) \
-        if args.draft_checkpoint_path else None
-    set_confidence(draft, args.confidence)
-    if draft is not None:
-        sampling, tree = configs(args, draft)
-    check_tokenizer(tokenizer, model)
-    if args.chat or args.interactive:
-        print(f"chat template: {tokenizer.chat_template_source}")
-    encode = partial(encode_prompts, args, tokenizer)
-    prompts = None if args.interactive else encode(args.prompts)
-    scratch = tree.scratch if draft is not None else 0
-    size = cache_length(args, model, max(prompts, key=len) if prompts else None, scratch)
-    if args.tree == "auto":  # room for the tuning's decoding too, or a clear refusal before it starts
-        size = tuning_cache_size(args, model, draft, encode, size, scratch)
-    rows = batch_rows(args, model, draft, len(prompts), size) if prompts and len(prompts) > 1 else 1
-    with torch.device(args.device):
-        model.setup_caches(max_batch_size=rows, max_seq_length=size)
-    if draft is not None:
-        draft.setup_caches(model.max_seq_length, rows)
-        set_window(draft, args.draft_window, args.draft_sinks)
-    if draft is not None:
-        tree.check(draft)
-    prefill_chunk_of(args.prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
-    return model, tokenizer, draft, sampling, tree, prompts, rows
-
-
-def set_window(draft: DraftHead, window, sinks: int):
-    """--draft_window and --draft_sinks on a loaded head. auto: the window its config says it was trained with, else
-    DRAFT_WINDOW where the cache is longer."""
-    if window == "full":
-        draft.set_window(None)
-    elif window != "auto":
-        draft.set_window(window, sinks)
-    elif draft.window is None and DRAFT_WINDOW + sinks < draft.max_seq_length:
-        draft.set_window(DRAFT_WINDOW, sinks)
-
-
-def free_memory(device: str) -> int:
-    """Bytes free for the caches: the GPU's free memory, or the machine's available RAM."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no figure, no limit
-        return 2 ** 62
-
-
-def batch_rows(args, model: Transformer, draft: Optional[DraftHead], n_prompts: int, size: int) -> int:
-    """Prompts decoded together: --batch_size, else all of them; at most what 90% of the free memory holds in
-    caches of size slots (the target's and the head's)."""
-    per_row = 2 * size * model.tok_embeddings.weight.element_size() * sum(
-        layer.attention.n_kv * model.args.head_dim for layer in model.layers)
-    if draft is not None:
-        per_row += 2 * size * model.tok_embeddings.weight.element_size() * draft.args.n_local_heads * draft.args.head_dim
-    free = free_memory(args.device)
-    fit = max(1, int(0.9 * free // per_row))
-    if args.batch_size and args.batch_size > fit:
-        raise EagletError(f"--batch_size {args.batch_size}: caches of {size} slots for {args.batch_size} rows need "
-                          f"{args.batch_size * per_row / 1e9:.2f} GB, and {free / 1e9:.2f} GB is free on "
-                          f"{args.device}: the largest batch that fits is {fit} (or a smaller --max_seq_length)")
-    rows = min(args.batch_size or n_prompts, n_prompts, fit)
-    print(f"{n_prompts} prompts, {rows} at a time (caches {rows * per_row / 1e9:.2f} GB of {free / 1e9:.2f} GB free"
-          + (f"; all {n_prompts} would need {n_prompts * per_row / 1e9:.2f} GB" if rows < min(n_prompts, args.batch_size or n_prompts) else "")
-          + ")")
-    return rows
-
-
-def describe(args, model: Transformer, draft: Optional[DraftHead], tree: TreeConfig):
-    """The start-up line: what runs, in which formats, where."""
-    head = f"head {short_path(args.draft_checkpoint_path)} ({weights_format(draft)}), {tree.describe()}" \
-        if draft is not None else "no head (plain decoding)"
-    ranks = f", tensor parallel over {dist.get_world_size(model.tp_group)} ranks" if model.tp_group else ""
-    print(f"target {short_path(args.checkpoint_path)} ({weights_format(model)}); {head}; {args.device}, "
-          f"{args.precision}{ranks}")
-    trained = head_config(read_config(args.draft_checkpoint_path.parent), "the head").get(
-        "max_position_embeddings") if draft else None
-    if isinstance(trained, int) and trained < model.max_seq_length:
-        print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
-              f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "
-              "stays exact)")
-    if any(getattr(m, "packed_for", None) == "cpu, dequantized" for m in model.modules()):
-        print(f"note: int4 weights in fp32 on a CPU are kept dequantized, the same values (torch's CPU int4 kernel "
-              f"is fast with bf16 activations only): {weight_bytes(model) / 1e9:.2f} GB in memory; --precision bf16 "
-              "keeps them 4-bit")
-    quantized = [weights_format(m) for m in (model, draft) if m is not None and weights_format(m).startswith("int")]
-    if args.device == "cpu" and quantized and args.precision != "bf16":
-        print(f"note: on a CPU, quantized weights ({quantized[0]}) are fast with bf16 activations only (torch's CPU "
-              f"kernels); in {args.precision} a step took 4-6x the fp32 model's (docs/quantization.md): --precision bf16")
-
-
-def short_path(path: Path) -> str:
-    """folder/file: names a checkpoint (every target is a model.pth) without the whole path."""
-    return f"{path.parent.name}/{path.name}"
-
-
 def main(argv=None):
     args = parse_args(argv)
     group, status = None, 0
@@ -606,7 +347,12 @@ def main(argv=None):
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         args.grammar = grammar_flag(args)
         group = tp.start(args.device)
-        model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, load, args, group)
+        model, tokenizer, draft, sampling, tree, prompts, rows = tp.agreed(group, partial(load, group=group),
+                                                                           **load_settings(args))
+        # the checkpoints as the files load read (a folder names its one file): the tuning's key, the start-up line
+        args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
+        if args.draft_checkpoint_path:
+            args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
         fewest = tp.smallest(group, rows)
         if fewest < rows:  # the ranks' free memory differs: every rank runs the same batches
             rows = fewest
@@ -616,8 +362,9 @@ def main(argv=None):
         if draft is not None and args.total_tokens == "auto":  # timed on each rank, rank 0's choice for all
             tree = replace(tree, total_tokens=tp.rank0_value(group, pick_total_tokens(model, tree)))
         if args.tree == "auto":
-            tree = auto_tree(args, model, draft, partial(encode_prompts, args, tokenizer), group, rows)
-        describe(args, model, draft, tree)
+            encode = partial(encode_prompts, tokenizer, chat=args.chat or args.interactive, system=args.system)
+            tree = auto_tree(args, model, draft, encode, group, rows)
+        describe(model, draft, tree, args.checkpoint_path, args.draft_checkpoint_path, args.device, args.precision)
         compile_settings(model, args.device)
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn

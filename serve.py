@@ -35,6 +35,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Str
 import generate
 from checkpoint import EagletError
 from cli import cli_parser, float_flag, int_flag
+from load import pick_device
 from openai_fields import ApiError
 from openai_replies import StreamReply, whole_reply
 from openai_requests import Requests
@@ -260,11 +261,6 @@ def parse_args(argv=None):
                         "the thinking ends; none: the reply as it comes, every grammar from its first token")
     args = p.parse_args(argv)
     generate.check_model_flags(p, args)
-    # what generate.load reads beside the model flags: a server is one long conversation, as --interactive
-    defaults = dict(interactive=True, chat=False, system=None, prompts=None, json_out=None, batch_size=None,
-                    max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None)
-    for name, value in defaults.items():
-        setattr(args, name, value)
     return args
 
 
@@ -279,7 +275,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def main(argv=None):
     args = parse_args(argv)
     try:
-        args.device = generate.pick_device(args.device)
+        args.device = pick_device(args.device)
         args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
         sock = listening_socket(args.host, args.port)
         engine = Engine(args, args.max_queue, args.max_batch)

@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
-import generate
+from batch import generate_batch
 from chat import TextStreamer, warm_up
-from decode import SamplingConfig, decode_one_token, speculative_cycle
+from checkpoint import converted_file
+from decode import SamplingConfig, decode_one_token, generate, speculative_cycle
 from graphs import compile_settings, compile_step
+from load import describe, load, short_path
 from step_aside import StepAside
 from grammar import grammar_tokenizer, token_bytes
 from reasoning import thinking_tokens
@@ -100,18 +102,27 @@ class Engine:
     def __init__(self, args, max_queue: int, max_batch: int = 1):
         self.jobs, self.cached, self.metrics = queue.Queue(maxsize=max_queue), [], Metrics()
         self.max_batch, self.held = max_batch, []
-        self.name, self.failure, ready = generate.short_path(args.checkpoint_path), None, threading.Event()
+        self.name, self.failure, ready = short_path(args.checkpoint_path), None, threading.Event()
         threading.Thread(target=self.loop, args=(args, ready), daemon=True, name="eaglet engine").start()
         ready.wait()
         if self.failure is not None:
             raise self.failure
 
     def load(self, args):
-        (self.model, self.tokenizer, self.draft, self.sampling, self.tree, _, _) = generate.load(args)
-        generate.describe(args, self.model, self.draft, self.tree)
+        # a server is one long conversation, as --interactive: caches of --max_seq_length (or 4096) slots
+        (self.model, self.tokenizer, self.draft, self.sampling, self.tree, _, _) = load(
+            args.checkpoint_path, draft_checkpoint_path=args.draft_checkpoint_path, draft_vocab=args.draft_vocab,
+            device=args.device, precision=args.precision, tree=args.tree, depth=args.depth, tree_topk=args.tree_topk,
+            total_tokens=args.total_tokens, tree_choices=args.tree_choices, confidence=args.confidence,
+            draft_window=args.draft_window, draft_sinks=args.draft_sinks, prefill_chunk=args.prefill_chunk,
+            chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs,
+            max_seq_length=args.max_seq_length, interactive=True)
+        draft_path = converted_file(args.draft_checkpoint_path, "draft.pth") if args.draft_checkpoint_path else None
+        describe(self.model, self.draft, self.tree, converted_file(args.checkpoint_path, "model.pth"), draft_path,
+                 args.device, args.precision)
         compile_settings(self.model, args.device)
         step = speculative_cycle if self.draft is not None else decode_one_token
-        self.gen = partial(generate.generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
+        self.gen = partial(generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
                            tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step,
                            prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None else 0
@@ -121,7 +132,7 @@ class Engine:
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)
             if self.draft is not None:
                 self.draft.setup_caches(self.model.max_seq_length, self.max_batch)
-            self.gen_batch = partial(generate.generate_batch, self.model, eos_ids=self.tokenizer.eos_ids,
+            self.gen_batch = partial(generate_batch, self.model, eos_ids=self.tokenizer.eos_ids,
                                      draft=self.draft, tree=self.tree,
                                      step_fn=compile_step(step, args.device) if args.compile else step)
         if args.compile:  # every graph the step has (greedy or sampled, logprobs or not) before any request

@@ -150,7 +150,8 @@ from convert_hf_checkpoint import export_layer  # noqa: E402
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
-from generate import SamplingConfig, check_writable, generate, load_target, pick_device  # noqa: E402
+from decode import SamplingConfig, generate  # noqa: E402
+from load import check_writable, load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, converted_file, mismatch_detail, read_config  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize import Int8Linear  # noqa: E402

@@ -270,12 +270,13 @@ def widest_tree(draft: Optional[DraftHead] = None) -> TreeConfig:
     return max((TreeConfig(*point) for point in tree_grid(draft)), key=lambda t: t.scratch)
 
 
-def tuning_cache_size(args, model: Transformer, draft: DraftHead, encode: Callable, size: int, scratch: int) -> int:
-    """The run's cache size (size slots), grown to hold the tuning's decoding too unless --max_seq_length fixed
+def tuning_cache_size(max_seq_length: Optional[int], model: Transformer, draft: DraftHead, encode: Callable, size: int,
+                      scratch: int) -> int:
+    """The run's cache size (size slots), grown to hold the tuning's decoding too unless max_seq_length fixed
     it; a grid that does not fit is refused before anything is measured. encode: texts -> token lists."""
     calibration = encode(CALIBRATION_PROMPTS)
     need = max(map(len, calibration)) + CALIBRATION_TOKENS + scratch
-    size = size if args.max_seq_length else max(size, min(need, context_limit(model.args)[0]))
+    size = size if max_seq_length else max(size, min(need, context_limit(model.args)[0]))
     check_tune_fits([TreeConfig(*point) for point in tree_grid(draft)], calibration, CALIBRATION_TOKENS, size,
                     draft.vocab_size)
     return size

@@ -144,7 +144,7 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
     import bench
-    from generate import pick_device
+    from load import pick_device
     device = pick_device(args.device)
     dtype = torch.bfloat16
     args.out.mkdir(parents=True)

@@ -39,9 +39,11 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from generate import PRECISIONS, SamplingConfig, compile_step, decode_one_token, weights_format  # noqa: E402
+from load import PRECISIONS  # noqa: E402
+from decode import SamplingConfig, decode_one_token  # noqa: E402
+from graphs import compile_step  # noqa: E402
+from quantize import quantize_state_dict, weights_format  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
-from quantize import quantize_state_dict  # noqa: E402
 
 
 def target_in(fmt: str, source: Transformer, dtype) -> Transformer:

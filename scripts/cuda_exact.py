@@ -31,10 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
-import generate  # noqa: E402
+from batch import generate_batch  # noqa: E402
+from decode import SamplingConfig, TreeConfig, decode_one_token, generate, prefill, speculative_cycle  # noqa: E402
+from graphs import compile_step  # noqa: E402
+from load import load_draft, load_target, pick_device  # noqa: E402
 import graphs  # noqa: E402
 from attention import causal_mask  # noqa: E402
-from decode import SamplingConfig, TreeConfig, prefill  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import quantize_state_dict  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -180,7 +182,7 @@ class Engine:
                 weight = self.target.tok_embeddings.weight
                 self.heads[name] = bench.random_head(where.split()[1], self.target, weight.device, weight.dtype)
             else:
-                self.heads[name] = generate.load_draft(DEMO_DIR / where / "draft.pth", self.target, "full")
+                self.heads[name] = load_draft(DEMO_DIR / where / "draft.pth", self.target, "full")
             self.heads[name].setup_caches(CACHE, self.rows)
         self.target.set_feature_layers(self.heads[name].feature_layers)
         return self.heads[name]
@@ -197,15 +199,15 @@ class Engine:
                              self.device, way.captured) if way.compiled else None
         sampling = SamplingConfig(logprobs=5) if way.logprobs else GREEDY
         if len(prompts) > 1:
-            return generate.generate_batch(self.target, prompts, self.n_tokens, sampling, draft=draft, tree=way.tree,
-                                           step_fn=step)
+            return generate_batch(self.target, prompts, self.n_tokens, sampling, draft=draft, tree=way.tree,
+                                  step_fn=step)
         window = draft.window if draft is not None else None
         if way.window:
             draft.set_window(way.window)
         try:
-            return [generate.generate(self.target, prompts[0], self.n_tokens, sampling, draft=draft, tree=way.tree,
-                                      step_fn=step, run_ahead=way.run_ahead, prefill_chunk=way.chunk,
-                                      constraint=self.constraint() if way.schema else None)]
+            return [generate(self.target, prompts[0], self.n_tokens, sampling, draft=draft, tree=way.tree,
+                             step_fn=step, run_ahead=way.run_ahead, prefill_chunk=way.chunk,
+                             constraint=self.constraint() if way.schema else None)]
         finally:
             if way.window:
                 draft.window = window
@@ -221,9 +223,9 @@ def compiled_step(key, plain: bool, device: str, captured: bool = False):
     if key not in _compiled:
         torch._dynamo.reset()
         _compiled.clear()
-        step_fn = generate.decode_one_token if plain else generate.speculative_cycle
+        step_fn = decode_one_token if plain else speculative_cycle
         _compiled[key] = (graphs.CapturedGraphs(torch.compile(step_fn, fullgraph=True)) if captured
-                          else generate.compile_step(step_fn, device))
+                          else compile_step(step_fn, device))
     return _compiled[key]
 
 
@@ -260,7 +262,7 @@ def check_way(engine: Engine, way_name: str) -> dict:
 
 def make_engine(name: str, device: str, prompts: list, n_tokens: int) -> Engine:
     """The demo target as PLAN names it: bf16, fp32, or int4 (g128 weights, bf16 activations)."""
-    target = generate.load_target(DEMO_DIR / "target", device, "fp32" if name == "fp32" else "bf16")
+    target = load_target(DEMO_DIR / "target", device, "fp32" if name == "fp32" else "bf16")
     if name == "int4":
         weight = target.tok_embeddings.weight
         target = Transformer.from_state_dict(target.args, quantize_state_dict(target.state_dict(), "int4", 128),
@@ -301,7 +303,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.out.exists():
         sys.exit(f"error: {args.out} exists; give a new file")
-    device = generate.pick_device(args.device)
+    device = pick_device(args.device)
     rows = check_all(device, PLAN, args.tokens, args.budget_s,
                      lambda r: args.out.write_text(json.dumps(r, indent=1)))
     print(json.dumps(rows, indent=1))

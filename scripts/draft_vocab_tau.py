@@ -36,19 +36,19 @@ def main(argv=None):
     p.add_argument("--tree", default="5/3/16", help="depth/top-k/total_tokens")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=64)
     args = p.parse_args(argv)
-    import generate
-    from decode import SamplingConfig, TreeConfig
+    from decode import SamplingConfig, TreeConfig, generate
+    from load import load_draft, load_target
     from head_formats import default_draft_vocab
     from model import EagletError
     from tokenizer import Tokenizer
     try:
-        model = generate.load_target(args.checkpoint_path, "cpu", "fp32", 1024)
+        model = load_target(args.checkpoint_path, "cpu", "fp32", 1024)
         tokenizer = Tokenizer(args.checkpoint_path)
         prompts = [tokenizer.encode_chat([{"role": "user", "content": q}])
                    for spec in args.questions for q in questions_of(spec)]
         greedy = SamplingConfig(temperature=0.0)
         tree = TreeConfig(*(int(v) for v in args.tree.split("/")))
-        plain = [generate.generate(model, p, args.max_new_tokens, greedy, tokenizer.eos_ids).tokens for p in prompts]
+        plain = [generate(model, p, args.max_new_tokens, greedy, tokenizer.eos_ids).tokens for p in prompts]
         rows = []
         for vocab in args.vocabs:
             if vocab.startswith("ids:"):
@@ -57,12 +57,12 @@ def main(argv=None):
                 path.write_text(json.dumps({"token_ids": ids.tolist()}))
             else:
                 path = vocab
-            draft = generate.load_draft(args.draft_checkpoint_path, model, draft_vocab=path)
+            draft = load_draft(args.draft_checkpoint_path, model, draft_vocab=path)
             n_tokens = draft.vocab_size
             lengths, same = [], 0
             for prompt, reference in zip(prompts, plain):
-                run = generate.generate(model, prompt, args.max_new_tokens, greedy, tokenizer.eos_ids, draft=draft,
-                                        tree=tree)
+                run = generate(model, prompt, args.max_new_tokens, greedy, tokenizer.eos_ids, draft=draft,
+                               tree=tree)
                 lengths += run.accept_lengths
                 same += run.tokens == reference
             rows.append({"vocab": vocab, "tokens": n_tokens, "tau": sum(lengths) / len(lengths), "cycles": len(lengths),

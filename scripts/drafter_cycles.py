@@ -49,7 +49,7 @@ def main(argv=None):
     import torch
     import bench
     from decode import TreeConfig
-    from generate import PRECISIONS, pick_device
+    from load import PRECISIONS, pick_device
     device = pick_device(args.device)
     dtype = PRECISIONS["bf16" if device == "cuda" else "fp32"]
     torch.manual_seed(0)

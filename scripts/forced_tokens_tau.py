@@ -46,11 +46,11 @@ def main(argv=None):
                    help="the shortest forced runs taken without the target, each measured (0: never)")
     args = p.parse_args(argv)
     import decode
-    import generate
+    from load import load_draft, load_target
     from tokenizer import Tokenizer
 
-    target = generate.load_target(args.checkpoint_path, args.device, "fp32", 1024)
-    draft = generate.load_draft(args.draft_checkpoint_path, target)
+    target = load_target(args.checkpoint_path, args.device, "fp32", 1024)
+    draft = load_draft(args.draft_checkpoint_path, target)
     tokenizer = Tokenizer(Path(args.checkpoint_path).parent)
     encode = (lambda text: tokenizer.encode_chat([{"role": "user", "content": text}])) if args.chat else tokenizer.encode
     prefills, real_prefill = [0], decode.prefill_chunks
@@ -81,7 +81,6 @@ def measure(args, target, draft, tokenizer, encode, prefills: list) -> tuple:
     """Each schema x prompt x forced_min, greedy with the head: totals by forced_min, and whether every forced_min
     gave the same tokens."""
     import decode
-    import generate
     from grammar import Constraint, grammar_of
     totals = {m: dict(tokens=0, cycles=0, emitted=0, prefills=0, host=0.0, seconds=0.0, forced=0) for m in args.forced_min}
     same = True
@@ -94,8 +93,8 @@ def measure(args, target, draft, tokenizer, encode, prefills: list) -> tuple:
                 for name in ("take", "forced", "pick"):
                     setattr(constraint, name, timed(getattr(constraint, name), host))
                 prefills[0] = 0
-                result = generate.generate(target, encode(prompt), args.max_new_tokens, decode.SamplingConfig(),
-                                           tokenizer.eos_ids, draft=draft, constraint=constraint)
+                result = decode.generate(target, encode(prompt), args.max_new_tokens, decode.SamplingConfig(),
+                                         tokenizer.eos_ids, draft=draft, constraint=constraint)
                 t = totals[forced_min]
                 t["tokens"] += len(result.tokens)
                 t["cycles"] += len(result.accept_lengths)

@@ -48,14 +48,17 @@ import bench  # noqa: E402
 import cuda_exact  # noqa: E402
 import decode  # noqa: E402
 import generate  # noqa: E402
+from decode import SamplingConfig, TreeConfig, decode_one_token, speculative_cycle  # noqa: E402
+from graphs import compile_settings, compile_step  # noqa: E402
+from load import PRECISIONS, check_writable, pick_device  # noqa: E402
+from quantize import (GROUPSIZES, pack_quantized, quantize_state_dict, use_quantized_linears, weight_bytes,  # noqa: E402
+                      weights_format)
 from cli import cli_parser, int_flag  # noqa: E402
-from generate import PRECISIONS, SamplingConfig, TreeConfig, pick_device  # noqa: E402
 from inflate_demo import DEMO_DIR, SHAPES, inflate, inflate_dflash, inflate_head3  # noqa: E402
 import attention  # noqa: E402
 import model  # noqa: E402
 from attention import attention_mask, causal_mask, decode_block_mask, sdpa_inputs  # noqa: E402
 from model import QUANT_KEY, EagletError, Transformer  # noqa: E402
-from quantize import GROUPSIZES, pack_quantized, quantize_state_dict, use_quantized_linears  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 import tune  # noqa: E402
 
@@ -173,23 +176,23 @@ def compiled_vs_eager(target, draft, tree: TreeConfig, prompt: list, n_tokens: i
     logging.getLogger("torch").addHandler(handler)
     out = {}
     try:
-        for name, kwargs, fn in [("plain", {}, generate.decode_one_token),
-                                 ("EAGLE-2", {"draft": draft, "tree": tree}, generate.speculative_cycle)]:
-            eager = generate.generate(target, prompt, n_tokens, GREEDY, **kwargs)
-            step = generate.compile_step(fn, device)
+        for name, kwargs, fn in [("plain", {}, decode_one_token),
+                                 ("EAGLE-2", {"draft": draft, "tree": tree}, speculative_cycle)]:
+            eager = decode.generate(target, prompt, n_tokens, GREEDY, **kwargs)
+            step = compile_step(fn, device)
             t0 = time.perf_counter()
-            generate.generate(target, prompt, 16, GREEDY, step_fn=step, **kwargs)  # compilation, capture
+            decode.generate(target, prompt, 16, GREEDY, step_fn=step, **kwargs)  # compilation, capture
             compile_s = time.perf_counter() - t0
             graphs = counters["stats"]["unique_graphs"]
-            compiled = generate.generate(target, prompt, n_tokens, GREEDY, step_fn=step, **kwargs)
-            compiled2 = generate.generate(target, prompt[:-3], n_tokens, GREEDY, step_fn=step, **kwargs)
+            compiled = decode.generate(target, prompt, n_tokens, GREEDY, step_fn=step, **kwargs)
+            compiled2 = decode.generate(target, prompt[:-3], n_tokens, GREEDY, step_fn=step, **kwargs)
             first_diff = next((i for i, (a, b) in enumerate(zip(eager.tokens, compiled.tokens)) if a != b), None)
             out[name] = {"same_tokens": eager.tokens == compiled.tokens, "first_difference": first_diff,
                          "compile_and_warm_up_s": round(compile_s, 1),
                          "graphs_compiled_after_warm_up": counters["stats"]["unique_graphs"] - graphs,
                          "tau_eager": eager.tau if eager.accept_lengths else None,
                          "tau_compiled": compiled.tau if compiled.accept_lengths else None,
-                         "same_tokens_second_prompt": compiled2.tokens == generate.generate(
+                         "same_tokens_second_prompt": compiled2.tokens == decode.generate(
                              target, prompt[:-3], n_tokens, GREEDY, **kwargs).tokens}
         out["cudagraph_skips_counter"] = int(counters["inductor"]["cudagraph_skips"])
         out["cudagraph_skips_logged"] = skips_logged
@@ -208,7 +211,7 @@ def cache_size_check(target, n_ctx: int = 256, repeats: int = 50) -> dict:
     for size in sizes:
         target.setup_caches(1, size)
         torch._dynamo.reset()  # a graph of its own for each size, never one with a dynamic cache length
-        step = generate.compile_step(generate.decode_one_token, device)
+        step = compile_step(decode_one_token, device)
         token, pos = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([n_ctx], device=device)
         with torch.no_grad():
             seconds, recompiles = bench.timed(lambda: step(target, token, pos, GREEDY), repeats, device)
@@ -251,9 +254,9 @@ def eagle_bytes(target, draft, tree: TreeConfig, side: dict) -> dict:
 
 
 def format_ready(source: Transformer, fmt: str, args) -> Transformer:
-    """The target in this format with its KV cache, compiled as generate.compile_settings would."""
+    """The target in this format with its KV cache, compiled as graphs.compile_settings would."""
     target = format_target(source, fmt)
-    # as generate.compile_settings: coordinate-descent tuning for quantized weights (global: reset per format)
+    # as graphs.compile_settings: coordinate-descent tuning for quantized weights (global: reset per format)
     torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent or target.quantization is not None
     target.setup_caches(1, args.max_seq_length)
     return target
@@ -265,8 +268,8 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     target = format_ready(source, fmt, args)
     target.set_feature_layers(draft.feature_layers)  # as load_draft does: the inflated head fits any format
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
-    out = {"weights": generate.weights_format(target),
-           "weights_GB": generate.weight_bytes(target) / 1e9}
+    out = {"weights": weights_format(target),
+           "weights_GB": weight_bytes(target) / 1e9}
     if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
         # the first ids hold all of the demo's tokens (the rows past them never win), so the drafts are the
         # same as with the whole vocabulary: this measures FR-Spec's cost, not its effect on acceptance
@@ -279,8 +282,8 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
     if first and not args.skip_cycle_table:
         step_s = out["plain"]["step_ms"] / 1e3
         out["cycle"] = bench.bench_cycle(target, draft, tree, True, args.repeats, step_s, copy_bw)
-    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
-                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    step_fns = {"plain": compile_step(decode_one_token, device),
+                "spec": compile_step(speculative_cycle, device)}
     with_hf = first and args.hf and target.quantization is None
     out["side_by_side"] = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, with_hf, prompt)
     out["EAGLE-2"] = eagle_bytes(target, draft, tree, out["side_by_side"])
@@ -302,8 +305,8 @@ def measure_eagle3(source: Transformer, draft3, fmt: str, plain_step_s: float, c
     out = {"feature_layers": list(draft3.feature_layers), "draft_vocab": draft3.vocab_size}
     if first and not args.skip_cycle_table:
         out["cycle"] = bench.bench_cycle(target, draft3, tree, True, args.repeats, plain_step_s, copy_bw)
-    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
-                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    step_fns = {"plain": compile_step(decode_one_token, device),
+                "spec": compile_step(speculative_cycle, device)}
     side = bench.side_by_side(target, draft3, tree, step_fns, args.side_tokens, False, prompt)
     out["end_to_end"] = eagle_bytes(target, draft3, tree, side)
     out["side_by_side"] = {"eaglet EAGLE-3" if name == "eaglet EAGLE-2" else name: row for name, row in side.items()}
@@ -342,8 +345,8 @@ def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> di
     target.set_feature_layers(head.feature_layers)
     device = str(target.output.weight.device)
     out = {"feature_layers": list(head.feature_layers), "block_size": head.block_size}
-    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
-                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    step_fns = {"plain": compile_step(decode_one_token, device),
+                "spec": compile_step(speculative_cycle, device)}
     for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 16", TreeConfig(6, 4, 16))):
         side = bench.side_by_side(target, head, tree, step_fns, args.side_tokens, False, prompt)
         out[name] = eagle_bytes(target, head, tree, side)
@@ -477,9 +480,9 @@ def linear_by_rows(kind: str, out_features: int, in_features: int, device: str, 
     """One kind of Linear at each row count M: ms a call, GB/s of its weight bytes (values, scales, zeros),
     and the time over M=1's (near 1: the weights are read once; steps at 16-row tiles: read once a tile)."""
     layers = linear_copies(kind, out_features, in_features, device, dtype)
-    layer_bytes = generate.weight_bytes(layers[0])
+    layer_bytes = weight_bytes(layers[0])
     torch._dynamo.reset()  # one compiled function, one graph per M: within dynamo's limit of 8
-    torch._inductor.config.coordinate_descent_tuning = kind != "linear"  # as generate.compile_settings runs them
+    torch._inductor.config.coordinate_descent_tuning = kind != "linear"  # as graphs.compile_settings runs them
     compiled = torch.compile(call_each, fullgraph=True, dynamic=False)
     out = {"copies_per_graph": len(layers), "weight_MB": layer_bytes / 1e6}
     one_row_s = None
@@ -528,15 +531,15 @@ def int4_13b(device: str, dtype, prompt: list, args) -> dict:
     target.setup_caches(1, INT4_13B_CACHE)
     target.set_feature_layers(draft.feature_layers)
     draft.setup_caches(INT4_13B_CACHE)
-    generate.compile_settings(target, device)
+    compile_settings(target, device)
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
-    step_fns = {"plain": generate.compile_step(generate.decode_one_token, device),
-                "spec": generate.compile_step(generate.speculative_cycle, device)}
+    step_fns = {"plain": compile_step(decode_one_token, device),
+                "spec": compile_step(speculative_cycle, device)}
     side = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, False, prompt)
     peak = torch.cuda.max_memory_allocated()
-    weights_gb = generate.weight_bytes(target) / 1e9
+    weights_gb = weight_bytes(target) / 1e9
     plain_tps = side["eaglet plain"]["tokens_per_s"]
-    out.update({"weights": generate.weights_format(target), "weights_GB": weights_gb,
+    out.update({"weights": weights_format(target), "weights_GB": weights_gb,
                 "cache_slots": INT4_13B_CACHE, "plain_end_to_end_tokens_per_s": plain_tps,
                 "plain_end_to_end_GB_per_s": weights_gb * plain_tps, "EAGLE-2": eagle_bytes(target, draft, tree, side),
                 "peak_allocated_GB": peak / 1e9, "peak_reserved_GB": torch.cuda.max_memory_reserved() / 1e9,
@@ -697,7 +700,7 @@ def main(argv=None):
         if any((args.out / name).exists() for name in ("results.json", "results.md")):
             raise EagletError(f"--out {args.out} already holds results; give a new folder")
         args.out.mkdir(parents=True, exist_ok=True)
-        generate.check_writable(args.out / "results.json", "--out")
+        check_writable(args.out / "results.json", "--out")
     except (EagletError, OSError) as e:
         sys.exit(f"error: {e}")
     torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent

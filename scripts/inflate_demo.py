@@ -38,7 +38,7 @@ from block_draft import DFlashDraft  # noqa: E402
 from draft import Eagle3Draft, Eagle3Flags, EagleDraft  # noqa: E402
 from head_formats import eagle3_feature_layers, head_args, load_head  # noqa: E402
 from cli import cli_parser  # noqa: E402
-from generate import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
+from load import PRECISIONS, load_draft, load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, read_config  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 

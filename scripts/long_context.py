@@ -110,7 +110,7 @@ def run_one(args, case: str, n: int, chunk: int) -> dict:
                 "peak_gb": (memory_kb("VmHWM") - base_kb) / 1e6, "weights_kv_gb": (weights + kv) / 1e9}
     from decode import SamplingConfig, TreeConfig, generate
     from step_aside import StepAside
-    from generate import load_draft, load_target
+    from load import load_draft, load_target
     from tokenizer import Tokenizer
     tokenizer = Tokenizer(args.checkpoint_path.parent)
     prompts = [chat_prompt(tokenizer, n, q) for q in args.question] if args.question else \

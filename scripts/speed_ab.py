@@ -65,7 +65,7 @@ def setup(args):
     import bench
     from gpu_check import SHAPES
     from inflate_demo import DEMO_DIR, inflate
-    from generate import PRECISIONS, pick_device
+    from load import PRECISIONS, pick_device
     from tokenizer import Tokenizer
     device = pick_device(args.device)
     dtype = PRECISIONS["bf16" if device == "cuda" else "fp32"]

@@ -322,15 +322,17 @@ def make_agreeing_eagle3_pair(root: Path, vocab=48, hidden=64, n_layers=8, missi
 def check_compiled_cycle(model, draft, tree, n_tokens=30):
     """The compiled speculative cycle decodes as eager (tokens and accepted lengths) over two prompts, in one
     graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out)."""
-    import generate
+    import decode
+    from decode import SamplingConfig, speculative_cycle
+    from graphs import compile_step
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    step = generate.compile_step(generate.speculative_cycle, "cpu")
-    greedy, lengths = generate.SamplingConfig(), set()
+    step = compile_step(speculative_cycle, "cpu")
+    greedy, lengths = SamplingConfig(), set()
     for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
-        eager = generate.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree)
-        compiled = generate.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree, step_fn=step)
+        eager = decode.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree)
+        compiled = decode.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree, step_fn=step)
         assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
         lengths |= set(compiled.accept_lengths[:-1])
     assert counters["stats"]["unique_graphs"] == 1
@@ -366,7 +368,7 @@ def sampling_pair(root: Path, vocab: int):
     """test_sampling.py's converted target and head (a small vocabulary, a head that agrees part of the time), loaded:
     (target folder, model, draft)."""
     from convert_hf_checkpoint import convert
-    from generate import load_draft, load_target
+    from load import load_draft, load_target
     target, head, _ = make_agreeing_pair(root, vocab=vocab, hidden=16, alpha=2.5, layer_scale=20.0, lm_head_noise=1.0)
     convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
     model = load_target(target / "model.pth", "cpu", "fp32", 64)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_close_in_scale, expect_error
-from generate import SamplingConfig, load_target
+from decode import SamplingConfig
+from load import load_target
 from attention import attention_mask, causal_mask
 
 LENGTHS = (5, 9, 3)
@@ -79,7 +80,7 @@ CODE = ["def read_lines(path):\n", "import os\n\n\ndef main():\n    args = ", "c
 
 @pytest.fixture(scope="module")
 def demo():
-    from generate import load_draft
+    from load import load_draft
     from tokenizer import Tokenizer
     target = load_target(DEMO / "target", "cpu", "fp32")
     heads = {"plain": None, "eagle2": load_draft(DEMO / "head", target), "eagle3": load_draft(DEMO / "head3", target)}
@@ -88,7 +89,8 @@ def demo():
 
 
 def run_alone_and_batched(target, draft, prompts, max_new_tokens, eos_ids, step_fn=None):
-    from generate import TreeConfig, generate, generate_batch
+    from decode import TreeConfig, generate
+    from batch import generate_batch
     target.set_feature_layers(draft.feature_layers if draft is not None else ())
     tree = TreeConfig(depth=draft.default_depth if draft else 6, topk=4, total_tokens=24)
     greedy = SamplingConfig()
@@ -123,7 +125,7 @@ def test_every_row_of_a_batch_equals_that_prompt_alone(demo, head):
 
 
 def test_too_few_cache_rows_are_named(demo):
-    from generate import generate_batch
+    from batch import generate_batch
     from model import EagletError
     target, _, prompts = demo
     target.set_feature_layers(())
@@ -135,13 +137,14 @@ def test_too_few_cache_rows_are_named(demo):
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["plain", "eagle2"])
 def test_compiled_batch_equals_eager_in_one_graph(demo, head):
-    import generate
+    from decode import decode_one_token, speculative_cycle
+    from graphs import compile_step
     from torch._dynamo.utils import counters
     target, heads, prompts = demo
     torch._dynamo.reset()
     counters.clear()
-    fn = generate.speculative_cycle if head != "plain" else generate.decode_one_token
-    step = generate.compile_step(fn, "cpu")
+    fn = speculative_cycle if head != "plain" else decode_one_token
+    step = compile_step(fn, "cpu")
     _, eager = run_alone_and_batched(target, heads[head], prompts[:3], 30, ())
     _, compiled = run_alone_and_batched(target, heads[head], prompts[:3], 30, (), step_fn=step)
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]
@@ -198,10 +201,10 @@ def test_prompt_file_mistakes_name_the_line(tmp_path, lines, match):
 
 
 def test_several_prompts_mistakes(tmp_path, monkeypatch):
-    import generate
+    import load
     expect_error(["--prompt", "a", "--prompt", ""], "prompt 2 of 2 is empty")
     expect_error(["--prompt", "a", "--prompt", "b", "--interactive", "--checkpoint_path", str(DEMO / "target")],
                  "--interactive is one conversation")
-    monkeypatch.setattr(generate, "free_memory", lambda device: 3_000_000)
+    monkeypatch.setattr(load, "free_memory", lambda device: 3_000_000)
     expect_error(["--prompt", "a", "--prompt", "b", "--prompt", "c", "--batch_size", "3", "--max_seq_length", "1024"],
                  "--batch_size 3: caches of 1024 slots for 3 rows need")

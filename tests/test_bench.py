@@ -13,10 +13,15 @@ import torch
 
 import bench
 import generate
+from cli import DEMO_PROMPT
+import decode
+from decode import speculative_cycle
 from conftest import (HANG_S, ROOT, SHARED, expect_error, head_config, make_agreeing_eagle3_pair, make_agreeing_pair,
                       random_head_weights, write_eagle_head)
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, compile_step, decode_one_token, load_draft, load_target
+from decode import SamplingConfig, TreeConfig, decode_one_token
+from graphs import compile_step
+from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError
 
@@ -112,8 +117,8 @@ def test_compiled_plain_decoding_does_not_recompile(checkpoints):
     model = load_target(path / "model.pth", "cpu", "fp32", 128)
     step = compile_step(decode_one_token, "cpu")
     for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
-        eager = generate.generate(model, prompt, 20, SamplingConfig())
-        compiled = generate.generate(model, prompt, 20, SamplingConfig(), step_fn=step)
+        eager = decode.generate(model, prompt, 20, SamplingConfig())
+        compiled = decode.generate(model, prompt, 20, SamplingConfig(), step_fn=step)
         assert compiled.tokens == eager.tokens
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every step of both prompts
 
@@ -129,11 +134,11 @@ def test_compiled_speculative_cycle_does_not_recompile(tmp_path):
     model = load_target(target / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(head / "draft.pth", model)
     tree = TreeConfig(depth=2, topk=3, total_tokens=8)
-    step = compile_step(generate.speculative_cycle, "cpu")
+    step = compile_step(speculative_cycle, "cpu")
     lengths = set()
     for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
-        eager = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
-        compiled = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree, step_fn=step)
+        eager = decode.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+        compiled = decode.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree, step_fn=step)
         assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
         lengths |= set(compiled.accept_lengths)
     assert len(lengths) >= 2  # different accepted lengths went through the same graph
@@ -456,7 +461,7 @@ def test_bench_without_a_checkpoint_runs_the_demo_into_bench_out(tmp_path):
     setup = json.loads(json_path.read_text())["setup"]
     assert setup["head"] == f"{ROOT / 'demo' / 'head' / 'draft.pth'} (EAGLE-1/2)"
     assert setup["side_tokens"] == generate.DEMO_MAX_NEW_TOKENS
-    assert setup["side_by_side_prompt"].startswith(f"generate.py's demo prompt {generate.DEMO_PROMPT!r}")
+    assert setup["side_by_side_prompt"].startswith(f"generate.py's demo prompt {DEMO_PROMPT!r}")
     assert f"wrote {json_path.relative_to(tmp_path)} and" in proc.stdout
 
 

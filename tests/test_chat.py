@@ -7,6 +7,9 @@ import pytest
 
 import chat
 import generate
+import decode
+from decode import SamplingConfig
+from tokenizer import Tokenizer
 from conftest import expect_error, run_cli, scripted_input
 
 
@@ -14,14 +17,14 @@ def test_chat_uses_the_checkpoint_template(checkpoints, tmp_path):
     path, _ = checkpoints("llama2")
     result = run_cli(tmp_path, ["--checkpoint_path", str(path / "model.pth"), "--prompt", "w7 w8", "--chat",
                                 "--max_new_tokens", "3", "--device", "cpu"])
-    tok = generate.Tokenizer(path)
+    tok = Tokenizer(path)
     assert result["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 w8 assistant:")
 
 
 def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatch, capsys):
     path, _ = checkpoints("llama2")
     calls, results = [], []
-    real_generate = generate.generate
+    real_generate = decode.generate
     monkeypatch.setattr("builtins.input", scripted_input(["w5 w6", "w7"]))
     monkeypatch.setattr(generate, "generate",
                         lambda *a, **k: calls.append((a, k)) or results.append(real_generate(*a, **k)) or results[-1])
@@ -36,22 +39,23 @@ def test_interactive_keeps_the_conversation_in_the_cache(checkpoints, monkeypatc
     assert second_prompt[:len(reused)] == reused and len(first_reply) > 1
     assert calls[1][1]["start_pos"] == len(reused)
     model = calls[1][0][0]  # a fresh prefill of the whole second prompt gives the same reply
-    assert real_generate(model, second_prompt, 5, generate.SamplingConfig()).tokens == results[1].tokens
+    assert real_generate(model, second_prompt, 5, SamplingConfig()).tokens == results[1].tokens
     assert "Assistant:" in capsys.readouterr().out
 
 
 def test_streamer_waits_for_whole_multibyte_characters(tmp_path, capsys):
     """A byte-level BPE tokenizer splits 'é', '世' and '🙂' over several tokens: the streamer prints a character
     only once it is whole (never U+FFFD), and in the end exactly the decoded text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 bytes as printable characters
     vocab = {c: i for i, c in enumerate(alphabet)}
     vocab.update({"Ã©": 256, "Ġä": 257})  # é whole; a space and the first byte of 世
-    tok = Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ġ", "ä")]))
+    tok = tokenizers.Tokenizer(models.BPE(vocab, [("Ã", "©"), ("Ġ", "ä")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = generate.Tokenizer(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
     text = "Café 世界 🙂!"
     ids = tokenizer.encode(text, bos=False)
     assert 256 in ids and 257 in ids and tokenizer.decode(ids) == text
@@ -92,7 +96,7 @@ def test_stop_strings_cut_the_text_at_their_first_appearance(spec_pair, tmp_path
     argv = ["--checkpoint_path", str(target), "--prompt", "w5 w6", "--max_new_tokens", "20", "--device", "cpu"]
     argv += ["--draft_checkpoint_path", str(head_dir)] if head else ["--no_draft"]
     full = run_cli(tmp_path, argv)
-    tok = generate.Tokenizer(target)
+    tok = Tokenizer(target)
     prefix = lambda n: tok.decode(full["prompt_tokens"][-1:] + full["tokens"][:n])  # noqa: E731
     for word in full["text"].split()[2:7]:  # words a few tokens in: with a head, some end inside a cycle
         stop = " " + word
@@ -108,7 +112,7 @@ def test_stop_strings_cut_the_text_at_their_first_appearance(spec_pair, tmp_path
 def test_interactive_help_reset_and_ctrl_c(checkpoints, monkeypatch, capsys):
     path, _ = checkpoints("llama2")
     calls, results = [], []
-    real_generate, real_call = generate.generate, chat.TextStreamer.__call__
+    real_generate, real_call = decode.generate, chat.TextStreamer.__call__
     streamed = []
 
     def ctrl_c_in_the_second_reply(self, new_tokens):
@@ -125,7 +129,7 @@ def test_interactive_help_reset_and_ctrl_c(checkpoints, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert len(calls) == 4 and len(results) == 3  # Ctrl-C stopped the second reply, not the session; /quit quit
     assert "(stopped)" in out and "/reset starts a new conversation" in out and "(a new conversation)" in out
-    tok = generate.Tokenizer(path)
+    tok = Tokenizer(path)
     first = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": tok.decode(results[0].tokens)}]
     third = tok.encode_chat(first + [{"role": "user", "content": "w7"}, {"role": "assistant", "content": ""},
                                      {"role": "user", "content": "w9"}])
@@ -134,7 +138,7 @@ def test_interactive_help_reset_and_ctrl_c(checkpoints, monkeypatch, capsys):
     assert calls[3][0][1] == tok.encode_chat([{"role": "user", "content": "w8"}])  # after /reset: w8 alone
     model = calls[2][0][0]
     for call, result in zip([calls[0]] + calls[2:], results):  # each reply equals a fresh run on its prompt
-        assert real_generate(model, call[0][1], 5, generate.SamplingConfig()).tokens == result.tokens
+        assert real_generate(model, call[0][1], 5, SamplingConfig()).tokens == result.tokens
 
 
 def test_chat_template_file_and_its_variables(checkpoints, tmp_path):
@@ -144,7 +148,7 @@ def test_chat_template_file_and_its_variables(checkpoints, tmp_path):
                         "{% if enable_thinking %}w9 {% endif %}assistant:")
     argv = ["--checkpoint_path", str(path), "--prompt", "w7", "--chat", "--chat_template", str(template),
             "--max_new_tokens", "2", "--device", "cpu"]
-    tok = generate.Tokenizer(path)
+    tok = Tokenizer(path)
     assert run_cli(tmp_path, argv)["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 assistant:")
     thinking = run_cli(tmp_path, argv + ["--chat_template_kwargs", '{"enable_thinking": true}'])
     assert thinking["prompt_tokens"] == tok.encode_with_specials("<s>user: w7 w9 assistant:")

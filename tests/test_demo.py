@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import ROOT, read_generation
-from generate import SamplingConfig, TreeConfig, generate, load_draft, load_target
+from decode import SamplingConfig, TreeConfig, generate
+from load import load_draft, load_target
 from tokenizer import Tokenizer
 
 DEMO = ROOT / "demo"

@@ -10,13 +10,15 @@ import torch.nn.functional as F
 
 import decode
 import generate
+from batch import generate_batch
+from checkpoint import EagletError
 from conftest import STAT_SAMPLES, check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
 from block_draft import DFlashDraft
 from draft_tree import grow_lattice
 from head_formats import dflash_layer_ids
-from generate import load_draft, load_target
+from load import load_draft, load_target
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 96  # GQA, head_dim set apart from hidden / heads
 
@@ -171,10 +173,10 @@ def test_cached_head_drafts_what_a_full_recompute_drafts(target8, tmp_path, n_la
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     prompt = [1, 17, 40, 8, 33, 71, 5]
-    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    plain = decode.generate(model, prompt, 30, SamplingConfig())
     truth = prompt + plain.tokens
     seen = agreeing(draft, truth)
-    spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+    spec = decode.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
     assert spec.tokens == plain.tokens
     assert max(spec.accept_lengths) >= 3 and min(spec.accept_lengths) == 1  # accepted and rejected drafts both
     for root, ctx_len, logits in seen:
@@ -223,10 +225,10 @@ def test_batch_rows_decode_as_each_alone(target8, tmp_path):
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     prompts, tree = [[1, 5, 9], [1, 7, 8, 9, 10, 11, 12], [1, 40]], TreeConfig(2, 3, 10)
-    alone = [generate.generate(model, p, 20, SamplingConfig(), draft=draft, tree=tree) for p in prompts]
+    alone = [decode.generate(model, p, 20, SamplingConfig(), draft=draft, tree=tree) for p in prompts]
     model.setup_caches(3, 128)
     draft.setup_caches(128, 3)
-    together = generate.generate_batch(model, prompts, 20, SamplingConfig(), draft=draft, tree=tree)
+    together = generate_batch(model, prompts, 20, SamplingConfig(), draft=draft, tree=tree)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.accept_lengths for r in together] == [r.accept_lengths for r in alone]
 
@@ -277,7 +279,7 @@ def test_sampling_with_a_dflash_head_matches_the_target_distribution(tmp_path):
     sampling, counts, lengths = SamplingConfig(temperature=1.0), {}, []
     for i in range(STAT_SAMPLES):
         torch.manual_seed(i)
-        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
+        result = decode.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
         lengths += result.accept_lengths
     assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
@@ -301,7 +303,7 @@ def test_a_head_that_does_not_fit_is_refused_by_name(target8, tmp_path, change, 
     config = json.loads((folder / "config.json").read_text()) | change
     (folder / "config.json").write_text(json.dumps(config))
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
-    with pytest.raises(generate.EagletError, match=match):
+    with pytest.raises(EagletError, match=match):
         load_draft(folder / "draft.pth", model)
 
 
@@ -311,7 +313,7 @@ def test_a_missing_or_unknown_weight_is_named(tmp_path, edit, match):
     w = dflash_weights(2, 2, torch.Generator().manual_seed(0))
     edit(w)
     folder = write_dflash_head(tmp_path / "head", w, dflash_config(2, 4, 3, [1, 5], 96, 8))
-    with pytest.raises(generate.EagletError, match=match):
+    with pytest.raises(EagletError, match=match):
         convert(folder)
 
 
@@ -362,9 +364,9 @@ def test_greedy_equals_plain_on_an_int8_target_and_running_ahead(target8, tmp_pa
         model = load_target(path, "cpu", "fp32", 128)
         draft = load_draft(folder / "draft.pth", model)
         for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
-            plain = generate.generate(model, prompt, 24, SamplingConfig())
+            plain = decode.generate(model, prompt, 24, SamplingConfig())
             agreeing(draft, prompt + plain.tokens, seed=len(prompt))
-            spec = generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10),
-                                     run_ahead=ahead)
+            spec = decode.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10),
+                                   run_ahead=ahead)
             del draft.block_states, draft.topk_of_logits  # the class's own again
             assert spec.tokens == plain.tokens and max(spec.accept_lengths) >= 2

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import decode
-import generate
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, generate
 from block_draft import DFlash2Draft, XPressDraft
 from conftest import check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from test_dflash import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, target8  # noqa: F401 (target8: a fixture)
 
 VOCAB, MASK, BLOCK, PASSES = 96, 3, 5, 3
@@ -137,9 +137,9 @@ def test_dflash2_rows_and_selector_score_what_speculators_computes(target8, tmp_
         assert bool((mine.isinf().sum(-1) == VOCAB - 6).all())  # every other token out of the draft's reach
         changed += int((mine.argmax(-1) != rows[i].argmax()).sum())
     assert changed > 20  # the selector changes the pick after many tokens
-    plain = generate.generate(model, committed, 24, SamplingConfig())
+    plain = generate(model, committed, 24, SamplingConfig())
     for tree in (TreeConfig(draft.default_depth, 1, draft.default_depth + 2), TreeConfig(2, 3, 10)):
-        assert generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
+        assert generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
 
 
 def truth_boost(rows, truth: list, ctx: int, g: torch.Generator):
@@ -162,7 +162,7 @@ def test_dflash2_drafts_what_speculators_computes_at_every_cycle(target8, tmp_pa
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     prompt = [1, 17, 40, 8, 33, 71, 5]
-    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    plain = generate(model, prompt, 30, SamplingConfig())
     truth, g = prompt + plain.tokens, torch.Generator().manual_seed(0)
     draft_rows, next_logits, passes = draft.draft_rows, draft.next_logits, []
 
@@ -180,7 +180,7 @@ def test_dflash2_drafts_what_speculators_computes_at_every_cycle(target8, tmp_pa
     monkeypatch.setattr(draft, "next_logits", scored)
     for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):  # both a block of 5: the oracle's
         passes.clear()
-        spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+        spec = generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
         assert spec.tokens == plain.tokens and len(set(spec.accept_lengths)) > 2
         for rec in passes:
             assert rec["root"] == truth[rec["ctx"]]
@@ -211,9 +211,9 @@ def test_xpress_refined_rows_are_what_speculators_computes(target8, tmp_path, mo
     assert (rows - base[first:]).abs().max() > 0.5  # the refiner moves the logits
     if draft_vocab == VOCAB:  # and the last pass still moves them (these two heads: the pass count matters)
         assert (rounds[-1] - rounds[-2])[first:].abs().max() > 0.5
-    plain = generate.generate(model, committed, 24, SamplingConfig())
+    plain = generate(model, committed, 24, SamplingConfig())
     for tree in (TreeConfig(draft.default_depth, 1, draft.default_depth + 2), TreeConfig(2, 3, 10)):
-        assert generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
+        assert generate(model, committed, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "xpress"])
@@ -230,8 +230,8 @@ def test_a_llama_layer_config_runs_as_speculators_runs_it(target8, tmp_path, mon
     states, rows = my_pass(model, draft, committed, root)
     torch.testing.assert_close(states, hidden[1:], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(rows, (unary if kind == "dflash2" else rounds[-1])[1:], atol=2e-4, rtol=1e-4)
-    plain = generate.generate(model, committed, 16, SamplingConfig())
-    assert generate.generate(model, committed, 16, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10)).tokens \
+    plain = generate(model, committed, 16, SamplingConfig())
+    assert generate(model, committed, 16, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10)).tokens \
         == plain.tokens
 
 
@@ -244,7 +244,7 @@ def test_xpress_reads_the_committed_token_before_the_root_every_cycle(target8, t
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     prompt = [1, 17, 40, 8, 33, 71, 5]
-    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    plain = generate(model, prompt, 30, SamplingConfig())
     truth, seen, g = prompt + plain.tokens, [], torch.Generator().manual_seed(0)
     refine, draft_rows = draft.refine, draft.draft_rows
     monkeypatch.setattr(draft, "refine", lambda base, h, root, before: seen.append((int(root), int(before))) or
@@ -255,7 +255,7 @@ def test_xpress_reads_the_committed_token_before_the_root_every_cycle(target8, t
         seen.append(int(ctx_len))
         return states, rows + truth_boost(rows, truth, int(ctx_len), g)
     monkeypatch.setattr(draft, "draft_rows", boosted)
-    spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
+    spec = generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
     assert spec.tokens == plain.tokens and len(set(spec.accept_lengths)) > 2
     for (root, before), ctx in zip(seen[0::2], seen[1::2]):
         assert (root, before) == (truth[ctx], truth[ctx - 1])
@@ -272,25 +272,25 @@ def test_decoding_stays_exact_compiled_batched_int8_head_and_target(target8, tmp
         check_compiled_cycle(model, draft, TreeConfig(3, 3, 10), n_tokens=20)
         model.setup_caches(2, 160)
         draft.setup_caches(160, 2)
-        rows = generate.generate_batch(model, prompts, 16, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
+        rows = generate_batch(model, prompts, 16, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
         for prompt, row in zip(prompts, rows):
-            assert row.tokens == generate.generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
+            assert row.tokens == generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
         quantize.main(["--checkpoint_path", str(folder / "draft.pth"), "--mode", "int8"])
         small = load_target(target_dir / "model.pth", "cpu", "fp32", 160)
         int8 = load_draft(folder / "draft_int8.pth", small)
         linear = int8.layers[0].attention_conv.kernel_projection if kind == "dflash2" else int8.refiner_head.readout
         assert type(linear).__name__ == "Int8Linear"
         assert kind == "dflash2" or isinstance(int8.refiner_head.token_embed, torch.nn.Embedding)
-        plain = generate.generate(small, prompts[1], 24, SamplingConfig())
-        assert generate.generate(small, prompts[1], 24, SamplingConfig(), draft=int8,
-                                 tree=TreeConfig(3, 3, 10)).tokens == plain.tokens
+        plain = generate(small, prompts[1], 24, SamplingConfig())
+        assert generate(small, prompts[1], 24, SamplingConfig(), draft=int8,
+                        tree=TreeConfig(3, 3, 10)).tokens == plain.tokens
     target_int8 = quantize.output_path(int8_target_dir(tmp_path, target_dir) / "model.pth", "int8", 128)
     model = load_target(target_int8, "cpu", "fp32", 160)  # an int8 target, the head in fp32
     for kind in ("dflash2", "xpress"):
         draft = load_draft(tmp_path / f"{kind}-False-96-1" / "draft.pth", model)
         for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):
-            assert generate.generate(model, prompts[1], 24, SamplingConfig(), draft=draft, tree=tree).tokens == \
-                generate.generate(model, prompts[1], 24, SamplingConfig()).tokens
+            assert generate(model, prompts[1], 24, SamplingConfig(), draft=draft, tree=tree).tokens == \
+                generate(model, prompts[1], 24, SamplingConfig()).tokens
 
 
 def int8_target_dir(tmp_path, target_dir):

@@ -7,9 +7,11 @@ import torch
 
 import decode
 import generate
+import load
 from conftest import expect_error, make_agreeing_pair, write_tokenizer
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
 
 GREEDY = SamplingConfig()
 
@@ -29,8 +31,8 @@ def write_vocab(path, token_ids):
 def run(model, draft, prompts):
     lengths = []
     for prompt in prompts:
-        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
-        assert spec.tokens == generate.generate(model, prompt, 40, GREEDY).tokens
+        spec = decode.generate(model, prompt, 40, GREEDY, draft=draft)
+        assert spec.tokens == decode.generate(model, prompt, 40, GREEDY).tokens
         lengths += spec.accept_lengths
     return sum(lengths) / len(lengths)
 
@@ -121,8 +123,8 @@ def test_a_large_vocabulary_gets_the_default_draft_vocabulary(pair, monkeypatch,
     DEFAULT_DRAFT_VOCAB lowest ids and the EOS tokens; the output is plain decoding's; --draft_vocab 0 keeps all.
     (The 64-token pair stands in for a 128k vocabulary: the thresholds scaled down with it.)"""
     target_dir, head_dir, _ = pair
-    monkeypatch.setattr(generate, "DRAFT_VOCAB_ABOVE", 32)
-    monkeypatch.setattr(generate, "DEFAULT_DRAFT_VOCAB", 40)
+    monkeypatch.setattr(load, "DRAFT_VOCAB_ABOVE", 32)
+    monkeypatch.setattr(load, "DEFAULT_DRAFT_VOCAB", 40)
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 256)
     draft = load_draft(head_dir / "draft.pth", model, keep_ids=(60,))
     assert draft.draft_to_target.tolist() == list(range(39)) + [60]

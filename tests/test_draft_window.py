@@ -9,7 +9,7 @@ from bench import random_models
 from conftest import make_context_pair
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig, draft_start, generate, prefill
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from model import EagletError, ModelArgs
 from block_draft import DFlashDraft
 
@@ -153,7 +153,7 @@ def test_a_head_trained_with_a_sliding_window_drafts_with_it():
 
 
 def test_auto_is_the_head_s_own_window_else_2048_where_the_cache_is_longer():
-    from generate import set_window
+    from load import set_window
     _, draft = random_models("tiny", "cpu", torch.float32, 4096, head="eagle")
     for flag, sinks, want in (("auto", 4, (4, 2048)), ("full", 4, None), (100, 2, (2, 100)), ("auto", 0, (2, 100))):
         set_window(draft, flag, sinks)  # auto keeps a window already set (a head's own, from its config)

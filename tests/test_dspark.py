@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import decode
-import generate
+from batch import generate_batch
+from checkpoint import EagletError
+from decode import SamplingConfig, TreeConfig, generate
+from load import load_draft, load_target, set_confidence
 from conftest import check_compiled_cycle
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
 from block_draft import DFlashDraft, DSparkDraft
 from draft_tree import StaticTree
-from generate import load_draft, load_target
 from test_dflash import (HEAD_DIM, HIDDEN, INTER, KV_HEADS, HEADS, dflash_config, dflash_weights, reference_block,
                          target8, write_dflash_head)  # noqa: F401 (target8: a fixture)
 
@@ -112,10 +113,10 @@ def test_cached_head_scores_what_a_full_recompute_scores(target8, tmp_path, n_la
     draft = load_draft(folder / "draft.pth", model)
     assert isinstance(draft, DSparkDraft) and draft.anchor_drafts and draft.default_depth == block - 1
     prompt = [1, 17, 40, 8, 33, 71, 5]
-    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    plain = generate(model, prompt, 30, SamplingConfig())
     truth = prompt + plain.tokens
     passes = recording(draft, tree, truth)
-    spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+    spec = generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
     assert spec.tokens == plain.tokens
     assert max(spec.accept_lengths) >= 3 and min(spec.accept_lengths) < tree.levels  # accepted and rejected drafts
     for rec in passes:
@@ -133,10 +134,10 @@ def test_the_confidence_cut_leaves_the_drafts_after_it_unverified(target8, tmp_p
     draft = load_draft(folder / "draft.pth", model)
     draft.confidence = 0.02  # this random head's confidences lie around it
     prompt, tree = [1, 17, 40, 8, 33, 71, 5], TreeConfig(5, 1, 7)
-    plain = generate.generate(model, prompt, 30, SamplingConfig())
+    plain = generate(model, prompt, 30, SamplingConfig())
     truth = prompt + plain.tokens
     passes = recording(draft, tree, truth, p=0.9)
-    spec = generate.generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
+    spec = generate(model, prompt, 30, SamplingConfig(), draft=draft, tree=tree)
     assert spec.tokens == plain.tokens
     proj_w, proj_b = w["confidence_head.proj.weight"], w["confidence_head.proj.bias"]
     cuts = set()
@@ -168,7 +169,7 @@ def test_a_deepspec_head_that_does_not_fit_is_refused_by_name(target8, tmp_path,
     config = json.loads((folder / "config.json").read_text()) | change
     (folder / "config.json").write_text(json.dumps(config))
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
-    with pytest.raises(generate.EagletError, match=match):
+    with pytest.raises(EagletError, match=match):
         load_draft(folder / "draft.pth", model)
 
 
@@ -180,7 +181,7 @@ def test_a_head_whose_copy_of_the_target_is_another_model_s_is_refused(target8, 
     folder, _ = deepspec_head(tmp_path, hf, copies=copies)
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
     name = copy.split(".")[0].replace("embed_tokens", "embed")
-    with pytest.raises(generate.EagletError, match=f"the head's copy of the target's {name} is not this target's"):
+    with pytest.raises(EagletError, match=f"the head's copy of the target's {name} is not this target's"):
         load_draft(folder / "draft.pth", model)
 
 
@@ -195,11 +196,11 @@ def test_greedy_equals_plain_on_an_int8_target_in_a_batch_and_compiled(target8, 
     model = load_target(quantize.output_path(target_dir / "model.pth", "int8", 128), "cpu", "fp32", 128)
     draft = load_draft(folder / "draft.pth", model)
     prompts, tree = [[1, 5, 9], [1, 7, 8, 9, 10, 11, 12], [1, 40]], TreeConfig(3, 3, 10)
-    alone = [generate.generate(model, p, 20, SamplingConfig(), draft=draft, tree=tree) for p in prompts]
-    assert all(r.tokens == generate.generate(model, p, 20, SamplingConfig()).tokens for r, p in zip(alone, prompts))
+    alone = [generate(model, p, 20, SamplingConfig(), draft=draft, tree=tree) for p in prompts]
+    assert all(r.tokens == generate(model, p, 20, SamplingConfig()).tokens for r, p in zip(alone, prompts))
     model.setup_caches(3, 128)
     draft.setup_caches(128, 3)
-    together = generate.generate_batch(model, prompts, 20, SamplingConfig(), draft=draft, tree=tree)
+    together = generate_batch(model, prompts, 20, SamplingConfig(), draft=draft, tree=tree)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     model.setup_caches(1, 128)
     draft.setup_caches(128)
@@ -317,8 +318,8 @@ def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, 
             want = torch.sigmoid(oracle.confidence_head(torch.cat([rows[first + 1].expand(VOCAB, -1),
                                                                    oracle.markov_head.prev_embeddings(prev)], -1)))
             torch.testing.assert_close(draft.confidence_of(states[1, None], prev), want, atol=1e-5, rtol=1e-5)
-    plain = generate.generate(model, committed, 24, SamplingConfig())
-    spec = generate.generate(model, committed, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10))
+    plain = generate(model, committed, 24, SamplingConfig())
+    spec = generate(model, committed, 24, SamplingConfig(), draft=draft, tree=TreeConfig(2, 3, 10))
     assert spec.tokens == plain.tokens
 
 
@@ -336,7 +337,7 @@ def test_what_a_layer_config_leaves_out_is_its_config_class_default(arch):
         (theirs.vocab_size, theirs.intermediate_size, theirs.num_attention_heads, theirs.num_key_value_heads,
          theirs.head_dim, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.max_position_embeddings,
          theirs.attention_bias, theirs.attention_bias)
-    with pytest.raises(generate.EagletError, match="model_type 'mistral': eaglet runs speculators' DFlash-family"):
+    with pytest.raises(EagletError, match="model_type 'mistral': eaglet runs speculators' DFlash-family"):
         block_layer_config({"transformer_layer_config": written | {"model_type": "mistral"}}, "x")
 
 
@@ -347,7 +348,7 @@ def test_a_speculators_head_without_sample_from_anchor_is_refused(target8, tmp_p
     del config["sample_from_anchor"]
     (folder / "config.json").write_text(json.dumps(config))
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
-    with pytest.raises(generate.EagletError, match="a speculators dspark head without sample_from_anchor"):
+    with pytest.raises(EagletError, match="a speculators dspark head without sample_from_anchor"):
         load_draft(folder / "draft.pth", model)
 
 
@@ -376,7 +377,7 @@ def test_generate_s_confidence_flag(target8, tmp_path):
     assert cut["tokens"] == plain["tokens"]
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
     draft = load_draft(folder / "draft.pth", model)
-    generate.set_confidence(draft, 0.4)
+    set_confidence(draft, 0.4)
     assert draft.confidence == 0.4 and draft.cut(torch.zeros(1, HIDDEN), torch.tensor([5])) is not None
     dflash_dir, _, _ = head_for(tmp_path, target_dir, 2, 4, [1, 5])
     expect_error(base + ["--draft_checkpoint_path", str(dflash_dir / "draft.pth"), "--confidence", "0.4"],
@@ -399,8 +400,8 @@ def test_an_int8_dspark_head_decodes_losslessly(target8, tmp_path):
     assert isinstance(draft.markov_head.markov_w1, torch.nn.Embedding)
     prompt = [1, 17, 40, 8, 33, 71, 5]
     for tree in (TreeConfig(3, 1, 5), TreeConfig(3, 3, 10)):
-        assert generate.generate(model, prompt, 20, SamplingConfig(), draft=draft, tree=tree).tokens == \
-            generate.generate(model, prompt, 20, SamplingConfig()).tokens
+        assert generate(model, prompt, 20, SamplingConfig(), draft=draft, tree=tree).tokens == \
+            generate(model, prompt, 20, SamplingConfig()).tokens
 
 
 @pytest.mark.slow

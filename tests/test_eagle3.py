@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 import generate
+import decode
 from conftest import (assert_close_in_scale, check_compiled_cycle, eagle3_config, eagle3_head_weights, expect_error, make_agreeing_eagle3_pair,
                       read_generation, write_eagle_head)
-from convert_hf_checkpoint import convert
-from convert_hf_checkpoint import main as convert_main
+from convert_hf_checkpoint import convert, main as convert_main
 from draft import Eagle3Draft
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError
 
@@ -96,8 +97,8 @@ def test_configured_feature_layers_and_own_embedding(checkpoints, tmp_path):
     assert draft.feature_layers == (1, 4, 7) and model.feature_layers == (1, 4, 7)
     assert torch.equal(draft.embed.weight, weights["embed_tokens.weight"])
     prompt = [1, 5, 9, 30]
-    assert generate.generate(model, prompt, 20, GREEDY, draft=draft).tokens == \
-        generate.generate(model, prompt, 20, GREEDY).tokens
+    assert decode.generate(model, prompt, 20, GREEDY, draft=draft).tokens == \
+        decode.generate(model, prompt, 20, GREEDY).tokens
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,8 @@ def test_greedy_speculative_equals_plain(checkpoints, agreeing, tmp_path, name, 
     tree = TreeConfig(depth=draft.default_depth)
     lengths = []
     for prompt in prompts(model.args.vocab_size, 6):
-        plain = generate.generate(model, prompt, 48, GREEDY)
-        spec = generate.generate(model, prompt, 48, GREEDY, draft=draft, tree=tree)
+        plain = decode.generate(model, prompt, 48, GREEDY)
+        spec = decode.generate(model, prompt, 48, GREEDY, draft=draft, tree=tree)
         assert spec.tokens == plain.tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)

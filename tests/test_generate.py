@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import decode
-import generate
+from checkpoint import EagletError
+from decode import SamplingConfig, generate
+from load import load_target
+from tokenizer import Tokenizer
 from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, run_cli, tiny_config, write_tokenizer
-from convert_hf_checkpoint import convert
-from convert_hf_checkpoint import main as convert_main
+from convert_hf_checkpoint import convert, main as convert_main
 
 PROMPTS = ["w5 w17 w42", "w3", "w60 w61 w62 w63 w64 w65 w66"]
 
@@ -40,11 +42,11 @@ def test_sampling_is_seeded_and_respects_top_k(checkpoints, tmp_path):
 
 def test_sampling_distribution_processing():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    probs = decode.logits_to_probs(logits, generate.SamplingConfig(temperature=0.5, top_p=0.9))
+    probs = decode.logits_to_probs(logits, SamplingConfig(temperature=0.5, top_p=0.9))
     full = torch.softmax(logits / 0.5, -1)
     assert full[0, 0] < 0.9 < full[0, :2].sum()  # so top_p keeps exactly two tokens
     assert torch.allclose(probs, torch.cat([full[:, :2] / full[0, :2].sum(), torch.zeros(1, 2)], -1))
-    probs = decode.logits_to_probs(logits, generate.SamplingConfig(temperature=1.0, top_k=3))
+    probs = decode.logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=3))
     assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.softmax(logits[0, :3], -1))
 
 
@@ -125,7 +127,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
 def test_sentencepiece_tokenizer_and_llama2_chat_format(tmp_path):
     import shutil
     shutil.copy(SHARED / "data/tokenizers/llama2-tokenizer.model", tmp_path / "tokenizer.model")
-    tok = generate.Tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
     assert tok.vocab_size == 32000 and tok.eos_ids == {2}
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                            {"role": "user", "content": "Bye"}])
@@ -184,12 +186,12 @@ def test_a_folder_of_one_converted_checkpoint_is_that_file_and_of_several_refuse
 
 def test_generate_takes_one_prompt(checkpoints):
     path, _ = checkpoints("llama2")
-    model = generate.load_target(path / "model.pth", "cpu", "fp32", 64)
-    sampling = generate.SamplingConfig()
-    as_list = generate.generate(model, [1, 5, 6], 4, sampling).tokens
-    assert generate.generate(model, torch.tensor([[1, 5, 6]]), 4, sampling).tokens == as_list
-    with pytest.raises(generate.EagletError, match="takes one prompt"):
-        generate.generate(model, [[1, 5, 6], [1, 7, 8]], 4, sampling)
+    model = load_target(path / "model.pth", "cpu", "fp32", 64)
+    sampling = SamplingConfig()
+    as_list = generate(model, [1, 5, 6], 4, sampling).tokens
+    assert generate(model, torch.tensor([[1, 5, 6]]), 4, sampling).tokens == as_list
+    with pytest.raises(EagletError, match="takes one prompt"):
+        generate(model, [[1, 5, 6], [1, 7, 8]], 4, sampling)
 
 
 def test_a_too_small_cache_is_refused_before_the_prompt_is_echoed(checkpoints, capsys):

@@ -13,9 +13,8 @@ import torch
 from conftest import SPECIALS, make_hf_checkpoint, run_cli
 from convert_gguf import GGUFFile, GGUFTensor, dequantize_blocks, gguf_tokenizer, int4_groups, merges_from_scores
 from convert_hf_checkpoint import convert, main as convert_main
-from decode import SamplingConfig, TreeConfig
-import generate
-from generate import load_draft, load_target
+from decode import SamplingConfig, TreeConfig, generate
+from load import load_draft, load_target
 import model as model_module
 from model import EagletError
 from tokenizer import Tokenizer
@@ -312,7 +311,7 @@ def test_smollm2_first_reply_token_logprobs_equal_transformers(smollm2, smollm2_
     hf, _ = smollm2_transformers
     model, tok = load_target(out / checkpoint, "cpu", "fp32", 64), Tokenizer(out)
     prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    run = generate.generate(model, prompt, 1, SamplingConfig(temperature=0.0, logprobs=5))
+    run = generate(model, prompt, 1, SamplingConfig(temperature=0.0, logprobs=5))
     with torch.no_grad():
         theirs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
     token = run.tokens[0]
@@ -358,7 +357,7 @@ def test_smollm2_answers_a_schema_with_valid_json(smollm2):
     constraint = Constraint(tokenizer, model.args.vocab_size, grammar_of("json_schema", json.dumps(schema)))
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Give the capital of France as JSON with keys city, "
                                                                  "country and population."}])
-    result = generate.generate(model, prompt, 64, GREEDY, tokenizer.eos_ids, constraint=constraint)
+    result = generate(model, prompt, 64, GREEDY, tokenizer.eos_ids, constraint=constraint)
     reply = json.loads(tokenizer.decode(result.tokens))
     jsonschema.validate(reply, schema)
     assert reply["city"] == "Paris" and constraint.done() and constraint.forced_tokens > 0
@@ -379,8 +378,8 @@ def test_smollm2_speculative_equals_plain_with_any_head(smollm2, tmp_path):
                      head_config(a.dim, a.n_head, a.n_local_heads, a.intermediate_size, a.vocab_size))
     draft = load_draft(convert(tmp_path / "head", log=lambda *_: None), model)
     prompt = Tokenizer(out).encode_chat([{"role": "user", "content": "Name three colors."}])
-    plain = generate.generate(model, prompt, 16, GREEDY)
-    spec = generate.generate(model, prompt, 16, GREEDY, draft=draft, tree=TreeConfig(depth=3, topk=3, total_tokens=10))
+    plain = generate(model, prompt, 16, GREEDY)
+    spec = generate(model, prompt, 16, GREEDY, draft=draft, tree=TreeConfig(depth=3, topk=3, total_tokens=10))
     assert spec.tokens == plain.tokens and len(spec.accept_lengths) > 0
 
 

@@ -13,8 +13,11 @@ pytest.importorskip("llguidance", reason="structured output's grammar engine: pi
 jsonschema = pytest.importorskip("jsonschema", reason="validates the replies: pip install jsonschema")
 
 import generate  # noqa: E402
+import decode  # noqa: E402
+from decode import SamplingConfig, TreeConfig, logits_to_probs, prefill, speculative_cycle  # noqa: E402
+from graphs import compile_step  # noqa: E402
+from load import load_draft, load_target  # noqa: E402
 from conftest import ROOT, expect_error  # noqa: E402
-from decode import SamplingConfig, TreeConfig, logits_to_probs, prefill  # noqa: E402
 from grammar import Constraint, grammar_of, response_format_grammar  # noqa: E402
 from model import EagletError  # noqa: E402
 from test_sampling import chi_square_p_below  # noqa: E402
@@ -42,9 +45,9 @@ SCHEMAS = [  # nested objects, arrays, enums, numbers, required fields (numbers
 
 @pytest.fixture(scope="module")
 def demo():
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
     tokenizer = Tokenizer(DEMO / "target")
-    heads = {name: generate.load_draft(DEMO / name / "draft.pth", target) for name in ("head", "head3", "dflash", "dspark")}
+    heads = {name: load_draft(DEMO / name / "draft.pth", target) for name in ("head", "head3", "dflash", "dspark")}
     target.set_feature_layers(heads["head"].feature_layers)
     return target, tokenizer, heads
 
@@ -54,8 +57,8 @@ def run(target, tokenizer, prompt: str, grammar: str, sampling=GREEDY, head=None
     if head is not None:
         target.set_feature_layers(head.feature_layers)
     constraint = Constraint(tokenizer, target.args.vocab_size, grammar, forced_min)
-    result = generate.generate(target, tokenizer.encode(prompt), n, sampling, tokenizer.eos_ids, draft=head,
-                               tree=tree, constraint=constraint, **kwargs)
+    result = decode.generate(target, tokenizer.encode(prompt), n, sampling, tokenizer.eos_ids, draft=head,
+                             tree=tree, constraint=constraint, **kwargs)
     return result, constraint
 
 
@@ -99,9 +102,9 @@ def test_a_reply_ending_in_a_forced_run_says_which_tokens_the_cache_lacks(demo):
     result, state = run(target, tokenizer, PROMPTS[0], grammar, head=heads["head"], tree=TreeConfig(3, 4, 8))
     assert state.done() and result.uncached == len(state.last_run) + 1 > 2
     context = tokenizer.encode(PROMPTS[0]) + result.tokens + tokenizer.encode("\ndef", bos=False)
-    reused = generate.generate(target, context, 12, GREEDY, start_pos=len(context) - len(tokenizer.encode("\ndef", bos=False))
-                               - result.uncached)
-    fresh = generate.generate(target, context, 12, GREEDY)
+    reused = decode.generate(target, context, 12, GREEDY, start_pos=len(context) - len(tokenizer.encode("\ndef", bos=False))
+                             - result.uncached)
+    fresh = decode.generate(target, context, 12, GREEDY)
     assert reused.tokens == fresh.tokens
 
 
@@ -134,7 +137,7 @@ def test_compiled_cycle_and_running_ahead_keep_the_tokens(demo):
     grammar = grammar_of("json_schema", json.dumps(SCHEMAS[1]))
     target.set_feature_layers(heads["head"].feature_layers)
     plain, _ = run(target, tokenizer, PROMPTS[1], grammar)
-    step = generate.compile_step(generate.speculative_cycle, "cpu")
+    step = compile_step(speculative_cycle, "cpu")
     for ahead in (False, True):
         spec, _ = run(target, tokenizer, PROMPTS[1], grammar, head=heads["head"], tree=TreeConfig(6, 10, 60),
                       step_fn=step, run_ahead=ahead)

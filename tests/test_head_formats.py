@@ -23,14 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import generate
+from decode import SamplingConfig, TreeConfig, generate
 from conftest import expect_error, head_config, random_head_weights, write_eagle_head, write_tokenizer
-from convert_hf_checkpoint import convert
-from convert_hf_checkpoint import main as convert_main
+from convert_hf_checkpoint import convert, main as convert_main
 from draft import Eagle3Draft
-from head_formats import eagle3_feature_layers
-from head_formats import head_config as flat_head_config
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from head_formats import eagle3_feature_layers, head_config as flat_head_config
+from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError
 
@@ -267,8 +265,8 @@ def test_speculators_head_decodes_like_the_target(checkpoints, tmp_path):
     draft = load_draft(tmp_path / "head" / "draft.pth", model)
     tree = TreeConfig(depth=4, topk=3, total_tokens=12)
     for prompt in ([1, 5, 9], [1, 7, 8, 30, 31]):
-        plain = generate.generate(model, prompt, 24, SamplingConfig())
-        assert generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
+        plain = generate(model, prompt, 24, SamplingConfig())
+        assert generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
 
 
 def edit(case_name, config_edit=None, weights_edit=None):

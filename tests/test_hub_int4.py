@@ -13,13 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import generate
+from decode import SamplingConfig, generate
 import model as model_module
 import quantize
 from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, write_tokenizer
-from convert_hf_checkpoint import convert, export_layer
-from convert_hf_checkpoint import main as convert_main
-from generate import SamplingConfig, load_draft, load_target
+from convert_hf_checkpoint import convert, export_layer, main as convert_main
+from load import load_draft, load_target
 from model import QUANT_KEY, ModelArgs, read_config
 from test_quantize import dequantize, prompts
 
@@ -303,8 +302,8 @@ def test_same_file_as_quantize_py_on_the_same_integers(checkpoints, tmp_path, fm
     assert sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     targets = [load_target(p, "cpu", "fp32", 64) for p in (ours, theirs)]
     for prompt in prompts(96, 2, seed=3):
-        assert generate.generate(targets[0], prompt, 12, GREEDY).tokens == \
-            generate.generate(targets[1], prompt, 12, GREEDY).tokens
+        assert generate(targets[0], prompt, 12, GREEDY).tokens == \
+            generate(targets[1], prompt, 12, GREEDY).tokens
     _, sd = by_module(ours, ModelArgs.from_hf_config(read_config(src)))
     ours_logits, want = logits_of(ours, transformers_twin(src, grids, sd["output.weight"]))
     assert (ours_logits - want).abs().max() < 1e-4
@@ -396,8 +395,8 @@ def test_greedy_speculative_equals_plain_on_converted_target(hub_pairs, request,
     slow = any(m.name == "slow" for m in request.node.iter_markers())
     lengths = []
     for prompt in prompts(model.args.vocab_size, 6 if slow else 3):
-        plain = generate.generate(model, prompt, 40, GREEDY)
-        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        plain = generate(model, prompt, 40, GREEDY)
+        spec = generate(model, prompt, 40, GREEDY, draft=draft)
         assert spec.tokens == plain.tokens
         lengths += spec.accept_lengths
     print(f"{fmt} {head}: tau {sum(lengths) / len(lengths):.2f}, lengths {sorted(set(lengths))}")

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import generate
+import decode
 from conftest import ROOT, read_generation
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
 from tokenizer import Tokenizer
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -52,10 +54,10 @@ def test_inflated_demo_decodes_exactly_as_the_demo(shape, demo_pair, held_out_pr
     head.setup_caches(256)
     taus = []
     for prompt in held_out_prompts:
-        plain_small = generate.generate(small, prompt, 32, GREEDY)
-        plain_big = generate.generate(target, prompt, 32, GREEDY)
-        spec_small = generate.generate(small, prompt, 32, GREEDY, draft=small_head, tree=TREE)
-        spec_big = generate.generate(target, prompt, 32, GREEDY, draft=head, tree=TREE)
+        plain_small = decode.generate(small, prompt, 32, GREEDY)
+        plain_big = decode.generate(target, prompt, 32, GREEDY)
+        spec_small = decode.generate(small, prompt, 32, GREEDY, draft=small_head, tree=TREE)
+        spec_big = decode.generate(target, prompt, 32, GREEDY, draft=head, tree=TREE)
         assert plain_big.tokens == plain_small.tokens == spec_big.tokens
         assert spec_big.accept_lengths == spec_small.accept_lengths
         taus.append(spec_big.tau)
@@ -69,10 +71,10 @@ def test_draft_vocab_of_the_demo_tokens_drafts_the_same(held_out_prompts):
     target, head, target_config, _ = inflate_demo.inflate(DEMO, REDUCED["llama3-like"])
     target.setup_caches(1, 256)
     head.setup_caches(256)
-    full = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
+    full = decode.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
     head.restrict_vocab(target, torch.arange(target_config["tokenizer_vocab_size"]))
     assert head.lm_head_module(target).weight.shape[0] == 4096 < target.args.vocab_size
-    restricted = generate.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
+    restricted = decode.generate(target, held_out_prompts[0], 32, GREEDY, draft=head, tree=TREE)
     assert restricted.tokens == full.tokens and restricted.accept_lengths == full.accept_lengths
 
 
@@ -109,5 +111,5 @@ def test_bf16_inflation_rounds_the_fp32_one_once():
             assert p.dtype == torch.bfloat16 and torch.equal(p, full_params[name].to(torch.bfloat16)), name
     half.setup_caches(1, 128)
     half_head.setup_caches(128)
-    out = generate.generate(half, list(range(5, 25)), 8, GREEDY, draft=half_head, tree=TREE)
+    out = decode.generate(half, list(range(5, 25)), 8, GREEDY, draft=half_head, tree=TREE)
     assert len(out.tokens) == 8 and out.accept_lengths

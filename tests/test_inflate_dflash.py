@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import generate
+import decode
 from conftest import ROOT, assert_close_in_scale, read_generation
 from decode import SamplingConfig, TreeConfig
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from test_inflate import REDUCED
 from test_inflate_eagle3 import DEEPER
 from tokenizer import Tokenizer
@@ -33,9 +34,9 @@ def demo_runs():
     from make_demo import held_out_prompts
     prompts = held_out_prompts(Tokenizer(DEMO / "target"), 3)
     small = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 256)
-    plain = [generate.generate(small, p, 32, GREEDY) for p in prompts]
+    plain = [decode.generate(small, p, 32, GREEDY) for p in prompts]
     head = load_draft(DEMO / "dflash" / "draft.pth", small)
-    spec = {name: [generate.generate(small, p, 32, GREEDY, draft=head, tree=tree) for p in prompts]
+    spec = {name: [decode.generate(small, p, 32, GREEDY, draft=head, tree=tree) for p in prompts]
             for name, tree in TREES.items()}
     return prompts, plain, spec
 
@@ -55,7 +56,7 @@ def test_inflated_dflash_drafts_exactly_as_the_demo(shape, feature_ids, demo_run
     head.setup_caches(256)
     for name, tree in TREES.items():
         for prompt, plain_small, spec_small in zip(prompts, plain, spec[name]):
-            spec_big = generate.generate(target, prompt, 32, GREEDY, draft=head, tree=tree)
+            spec_big = decode.generate(target, prompt, 32, GREEDY, draft=head, tree=tree)
             assert spec_big.tokens == plain_small.tokens
             assert spec_big.accept_lengths == spec_small.accept_lengths, name
     assert max(n for r in spec["chain"] for n in r.accept_lengths) > 2  # the demo head's drafts were accepted

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import generate
+import decode
 from conftest import ROOT, read_generation
 from decode import SamplingConfig, TreeConfig, prefill
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError
 from test_inflate import REDUCED
@@ -36,9 +37,9 @@ def demo_runs():
     from make_demo import held_out_prompts
     prompts = held_out_prompts(Tokenizer(DEMO / "target"), 3)
     small = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 256)
-    plain = [generate.generate(small, p, 32, GREEDY) for p in prompts]
+    plain = [decode.generate(small, p, 32, GREEDY) for p in prompts]
     head3 = load_draft(DEMO / "head3" / "draft.pth", small)
-    spec = [generate.generate(small, p, 32, GREEDY, draft=head3, tree=TREE) for p in prompts]
+    spec = [decode.generate(small, p, 32, GREEDY, draft=head3, tree=TREE) for p in prompts]
     return prompts, plain, spec
 
 
@@ -58,7 +59,7 @@ def test_inflated_head3_drafts_exactly_as_the_demo(shape, draft_vocab, feature_i
     head3.setup_caches(256)
     taus = []
     for prompt, plain_small, spec_small in zip(prompts, plain, spec):
-        spec_big = generate.generate(target, prompt, 32, GREEDY, draft=head3, tree=TREE)
+        spec_big = decode.generate(target, prompt, 32, GREEDY, draft=head3, tree=TREE)
         assert spec_big.tokens == plain_small.tokens
         assert spec_big.accept_lengths == spec_small.accept_lengths
         taus.append(spec_big.tau)
@@ -156,8 +157,8 @@ def test_gpu_check_eagle3_runs_on_cpu(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "g" / "results.json").read_text())
     assert not [name for name, r in results.items() if "error" in r], results
     small = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 256)
-    expected = generate.generate(small, Tokenizer(DEMO / "target").encode(gpu_check.PROMPT), 12, GREEDY,
-                                 draft=load_draft(DEMO / "head3" / "draft.pth", small), tree=TreeConfig(2, 3, 8))
+    expected = decode.generate(small, Tokenizer(DEMO / "target").encode(gpu_check.PROMPT), 12, GREEDY,
+                               draft=load_draft(DEMO / "head3" / "draft.pth", small), tree=TreeConfig(2, 3, 8))
     row = results["small-test (inflated demo): formats side by side"]["bf16"]
     assert row["eagle3_tau"] == expected.tau > 1.5
     assert row["eagle3_same_tokens_as_plain"] and row["eagle2_same_tokens_as_plain"]

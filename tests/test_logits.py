@@ -6,7 +6,7 @@ import torch
 import model as model_module
 import train_draft
 from conftest import ROOT
-from generate import load_draft, load_target
+from load import load_draft, load_target
 
 CAP = 2.0
 DEMO = ROOT / "demo"

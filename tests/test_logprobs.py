@@ -5,9 +5,12 @@ under a grammar -- and there is exactly one entry per kept token."""
 import pytest
 import torch
 
-import generate
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, generate, speculative_cycle
+from graphs import compile_step
+from load import load_draft, load_target
+from tokenizer import Tokenizer
 from conftest import ROOT
-from decode import SamplingConfig, TreeConfig
 from attention import causal_mask
 from model import EagletError
 
@@ -20,9 +23,9 @@ pytestmark = pytest.mark.skipif(not (DEMO / "target" / "model.pth").is_file(), r
 
 @pytest.fixture(scope="module")
 def demo():
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 384)
-    tokenizer = generate.Tokenizer(DEMO / "target")
-    heads = {name: generate.load_draft(DEMO / name / "draft.pth", target) for name in HEADS}
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 384)
+    tokenizer = Tokenizer(DEMO / "target")
+    heads = {name: load_draft(DEMO / name / "draft.pth", target) for name in HEADS}
     return target, tokenizer, heads
 
 
@@ -56,9 +59,9 @@ def test_greedy_logprobs_equal_a_plain_forward(demo, head):
     tree = TreeConfig(3, 4, 8) if head in ("head", "head3") else None
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        plain = generate.generate(target, ids, 24, SamplingConfig(), tokenizer.eos_ids)
-        result = generate.generate(target, ids, 24, SamplingConfig(logprobs=3), tokenizer.eos_ids, draft=draft,
-                                   tree=tree)
+        plain = generate(target, ids, 24, SamplingConfig(), tokenizer.eos_ids)
+        result = generate(target, ids, 24, SamplingConfig(logprobs=3), tokenizer.eos_ids, draft=draft,
+                          tree=tree)
         assert result.tokens == plain.tokens and plain.logprobs == []
         check_scores(target, result, 3)
 
@@ -68,8 +71,8 @@ def test_run_ahead_and_a_cut_at_max_new_tokens_keep_one_entry_per_token(demo):
     target.set_feature_layers(heads["head"].feature_layers)
     ids = tokenizer.encode(PROMPTS[0])
     for n in (1, 5, 13):
-        result = generate.generate(target, ids, n, SamplingConfig(logprobs=0), tokenizer.eos_ids, draft=heads["head"],
-                                   tree=TreeConfig(3, 4, 8), run_ahead=True)
+        result = generate(target, ids, n, SamplingConfig(logprobs=0), tokenizer.eos_ids, draft=heads["head"],
+                          tree=TreeConfig(3, 4, 8), run_ahead=True)
         assert len(result.tokens) == n
         check_scores(target, result, 0)
 
@@ -78,8 +81,8 @@ def test_sampled_tokens_have_their_own_logprobs(demo):
     target, tokenizer, heads = demo
     target.set_feature_layers(heads["head"].feature_layers)
     torch.manual_seed(3)
-    result = generate.generate(target, tokenizer.encode(PROMPTS[1]), 20, SamplingConfig(0.9, top_k=20, logprobs=2),
-                               tokenizer.eos_ids, draft=heads["head"], tree=TreeConfig(3, 4, 8))
+    result = generate(target, tokenizer.encode(PROMPTS[1]), 20, SamplingConfig(0.9, top_k=20, logprobs=2),
+                      tokenizer.eos_ids, draft=heads["head"], tree=TreeConfig(3, 4, 8))
     check_scores(target, result, 2)  # the target's own distribution, not the temperature's
 
 
@@ -87,9 +90,9 @@ def test_compiled_cycle_gives_the_same_logprobs(demo):
     target, tokenizer, heads = demo
     target.set_feature_layers(heads["head"].feature_layers)
     ids, sampling, tree = tokenizer.encode(PROMPTS[0]), SamplingConfig(logprobs=2), TreeConfig(3, 4, 8)
-    eager = generate.generate(target, ids, 16, sampling, draft=heads["head"], tree=tree)
-    step = generate.compile_step(generate.speculative_cycle, "cpu")
-    compiled = generate.generate(target, ids, 16, sampling, draft=heads["head"], tree=tree, step_fn=step)
+    eager = generate(target, ids, 16, sampling, draft=heads["head"], tree=tree)
+    step = compile_step(speculative_cycle, "cpu")
+    compiled = generate(target, ids, 16, sampling, draft=heads["head"], tree=tree, step_fn=step)
     assert compiled.tokens == eager.tokens
     for (a, top_a), (b, top_b) in zip(compiled.logprobs, eager.logprobs):
         assert a == pytest.approx(b, abs=1e-4) and [i for i, _ in top_a] == [i for i, _ in top_b]
@@ -103,8 +106,8 @@ def test_scores_list_is_filled_before_on_tokens_sees_the_tokens(demo):
     def on_tokens(new):  # the scores of every token so far, these included, are in the list already
         assert len(scores) >= sum(map(len, chunks)) + len(new)
         chunks.append(new)
-    result = generate.generate(target, tokenizer.encode(PROMPTS[0]), 20, SamplingConfig(logprobs=1), draft=heads["head"],
-                               tree=TreeConfig(3, 4, 8), on_tokens=on_tokens, scores=scores)
+    result = generate(target, tokenizer.encode(PROMPTS[0]), 20, SamplingConfig(logprobs=1), draft=heads["head"],
+                      tree=TreeConfig(3, 4, 8), on_tokens=on_tokens, scores=scores)
     assert scores == result.logprobs and len(chunks) > 1
 
 
@@ -114,4 +117,4 @@ def test_logprobs_out_of_range_or_in_a_batch_are_refused(demo):
             SamplingConfig(logprobs=k)
     target, tokenizer, _ = demo
     with pytest.raises(EagletError, match="one prompt at a time"):
-        generate.generate_batch(target, [tokenizer.encode(p) for p in PROMPTS], 4, SamplingConfig(logprobs=0))
+        generate_batch(target, [tokenizer.encode(p) for p in PROMPTS], 4, SamplingConfig(logprobs=0))

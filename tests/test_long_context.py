@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench import random_models
 from batch import generate_batch
 from decode import SamplingConfig, TreeConfig, draft_start, generate, prefill
-from generate import load_target
+from load import load_target
 from model import EagletError
 
 GREEDY = SamplingConfig()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import decode
-import generate
+from decode import SamplingConfig, TreeConfig, generate
 from conftest import CTX_A, CTX_B1, CTX_B2, CTX_VOCAB, make_context_pair
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from load import load_draft, load_target
 from attention import causal_mask
 
 GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(temperature=1.0)
@@ -74,8 +74,8 @@ def test_greedy_speculative_equals_plain_and_accepts_deep(context, name, tau_flo
     model, draft = load(context[name])
     lengths = []
     for prompt in prompts(6):
-        spec = generate.generate(model, prompt, 64, GREEDY, draft=draft)
-        assert spec.tokens == generate.generate(model, prompt, 64, GREEDY).tokens
+        spec = generate(model, prompt, 64, GREEDY, draft=draft)
+        assert spec.tokens == generate(model, prompt, 64, GREEDY).tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
     print(f"{name}: tau {tau:.2f}, accepted lengths seen {sorted(set(lengths))}")
@@ -109,7 +109,7 @@ def test_catch_up_output_matches_a_reference_recomputation(context, name, monkey
     generate_catch_up = decode.catch_up
     monkeypatch.setattr(decode, "catch_up", recording_catch_up)
     prompt = prompts(1, seed=4)[0]
-    result = generate.generate(model, prompt, 60, GREEDY, draft=draft)
+    result = generate(model, prompt, 60, GREEDY, draft=draft)
     seq = prompt + result.tokens
     _, h_ref = reference_features(ref_model, ref_draft, seq, len(seq) - 1)
     assert handed_on[0][0] == len(prompt) - 1 and len(handed_on) == len(result.accept_lengths) + 1
@@ -135,7 +135,7 @@ def test_caches_equal_a_plain_recomputation_after_cycles(context, name, sampling
     model, draft = load(context[name])
     prompt = prompts(1, seed=5)[0]
     torch.manual_seed(0)
-    result = generate.generate(model, prompt, 60, sampling, draft=draft)
+    result = generate(model, prompt, 60, sampling, draft=draft)
     assert len(set(result.accept_lengths)) >= 2
     check_caches(model, draft, *load(context[name]), prompt + result.tokens)
 
@@ -147,14 +147,14 @@ def test_multi_turn_reuse_with_a_draft(context, name):
     would: the token before start_pos is re-run, so the draft pairs its feature with the NEW next token."""
     model, draft = load(context[name])
     first = prompts(1, seed=6)[0]
-    turn1 = generate.generate(model, first, 20, GREEDY, draft=draft)
+    turn1 = generate(model, first, 20, GREEDY, draft=draft)
     cached = first + turn1.tokens[:-1]
     start = len(first) + 7  # the second prompt keeps a prefix and then says something else
     second = cached[:start] + [(cached[start] + 1) % CTX_VOCAB or 3] + prompts(1, seed=7)[0][1:]
-    turn2 = generate.generate(model, second, 30, GREEDY, draft=draft, start_pos=start)
+    turn2 = generate(model, second, 30, GREEDY, draft=draft, start_pos=start)
     fresh_model, fresh_draft = load(context[name])
-    fresh = generate.generate(fresh_model, second, 30, GREEDY, draft=fresh_draft)
-    assert turn2.tokens == fresh.tokens == generate.generate(fresh_model, second, 30, GREEDY).tokens
+    fresh = generate(fresh_model, second, 30, GREEDY, draft=fresh_draft)
+    assert turn2.tokens == fresh.tokens == generate(fresh_model, second, 30, GREEDY).tokens
     assert turn2.accept_lengths == fresh.accept_lengths
     check_caches(model, draft, *load(context[name]), second + turn2.tokens)
 
@@ -177,13 +177,13 @@ def test_eos_inside_an_accepted_path_ends_the_output_there(context, sampling, sp
     draft = draft if speculative else None
     prompt = prompts(1, seed=8)[0]
     torch.manual_seed(1)
-    full = generate.generate(model, prompt, 80, sampling, draft=draft)
+    full = generate(model, prompt, 80, sampling, draft=draft)
     ends = set(cycle_ends(full.accept_lengths)) if speculative else set()
     # an EOS: the first token, past the first few, that did not occur before and does not end a cycle
     k = next(i for i in range(4, len(full.tokens)) if full.tokens[i] not in full.tokens[:i] and i not in ends)
     eos = full.tokens[k]
     torch.manual_seed(1)
-    cut = generate.generate(model, prompt, 80, sampling, draft=draft, eos_ids=(eos,))
+    cut = generate(model, prompt, 80, sampling, draft=draft, eos_ids=(eos,))
     assert cut.tokens == full.tokens[:k + 1]
     if speculative:
         n_cycles = next(c for c, end in enumerate(cycle_ends(full.accept_lengths)) if end >= k)
@@ -197,7 +197,7 @@ def test_chain_tree_is_lossless(context):
     chain = TreeConfig(depth=5, topk=1, total_tokens=6)
     lengths = []
     for prompt in prompts(3, seed=9):
-        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft, tree=chain)
-        assert spec.tokens == generate.generate(model, prompt, 40, GREEDY).tokens
+        spec = generate(model, prompt, 40, GREEDY, draft=draft, tree=chain)
+        assert spec.tokens == generate(model, prompt, 40, GREEDY).tokens
         lengths += spec.accept_lengths
     assert max(lengths) <= 7 and len(set(lengths)) >= 3

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import decode
-import generate
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, generate
 from conftest import check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
 from block_draft import PEagleDraft
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from test_dflash import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, target8  # noqa: F401 (target8: a fixture)
 
 VOCAB, MASK, BLOCK = 96, 7, 5
@@ -110,23 +110,23 @@ def test_decoding_stays_exact_chain_tree_compiled_and_batched(target8, tmp_path)
     prompts = [[1, 5, 9], [1, 7, 8, 30, 31, 2]]
     for tree in (TreeConfig(BLOCK - 1, 1, BLOCK + 1), TreeConfig(3, 3, 10)):
         for prompt in prompts:
-            plain = generate.generate(model, prompt, 24, SamplingConfig())
-            assert generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
+            plain = generate(model, prompt, 24, SamplingConfig())
+            assert generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=tree).tokens == plain.tokens
     check_compiled_cycle(model, draft, TreeConfig(BLOCK - 1, 1, BLOCK + 1), n_tokens=20)
     model.setup_caches(2, 160)
     draft.setup_caches(160, 2)
-    rows = generate.generate_batch(model, prompts, 16, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
+    rows = generate_batch(model, prompts, 16, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
     for prompt, row in zip(prompts, rows):
-        assert row.tokens == generate.generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
+        assert row.tokens == generate(model, prompt, 16, SamplingConfig()).tokens[:len(row.tokens)]
     with pytest.raises(Exception, match=f"trained on blocks of {BLOCK}"):
-        generate.generate(model, prompts[0], 8, SamplingConfig(), draft=draft, tree=TreeConfig(BLOCK, 1, BLOCK + 2))
+        generate(model, prompts[0], 8, SamplingConfig(), draft=draft, tree=TreeConfig(BLOCK, 1, BLOCK + 2))
     import quantize  # the head in int8 (its mask_hidden kept as it is): still exact
     quantize.main(["--checkpoint_path", str(folder / "draft.pth"), "--mode", "int8"])
     small = load_target(target_dir / "model.pth", "cpu", "fp32", 160)
     int8 = load_draft(folder / "draft_int8.pth", small)
     assert isinstance(int8, PEagleDraft) and int8.mask_hidden.dtype == torch.float32
-    plain = generate.generate(small, prompts[1], 24, SamplingConfig())
-    assert generate.generate(small, prompts[1], 24, SamplingConfig(), draft=int8, tree=TreeConfig(3, 3, 10)).tokens == \
+    plain = generate(small, prompts[1], 24, SamplingConfig())
+    assert generate(small, prompts[1], 24, SamplingConfig(), draft=int8, tree=TreeConfig(3, 3, 10)).tokens == \
         plain.tokens
 
 
@@ -139,8 +139,8 @@ def test_speculators_eagle3_heads_of_several_layers_decode_exactly(target8, tmp_
     draft = load_draft(folder / "draft.pth", model)
     assert len(draft.blocks()) == 3 and not isinstance(draft, PEagleDraft)
     for prompt in ([1, 5, 9], [1, 7, 8, 30, 31, 2]):
-        plain = generate.generate(model, prompt, 24, SamplingConfig())
-        spec = generate.generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
+        plain = generate(model, prompt, 24, SamplingConfig())
+        spec = generate(model, prompt, 24, SamplingConfig(), draft=draft, tree=TreeConfig(3, 3, 10))
         assert spec.tokens == plain.tokens
 
 

@@ -9,13 +9,15 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import generate
+import decode
 import model as model_module
 import quantize
 from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
 from convert_hf_checkpoint import convert, export_layer
-from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
+from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears, weight_bytes
 from model import QUANT_KEY, ModelArgs, read_config
-from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears
 
 GREEDY = SamplingConfig()
 MODES = [("int8", 0), ("int4", 32), ("int4", 64)]
@@ -238,8 +240,8 @@ def test_greedy_speculative_equals_plain_on_quantized_target(quantized_pairs, tm
         assert isinstance(draft.fc, Int8Linear) and isinstance(draft.layer.feed_forward.w13, Int8Linear)
     lengths = []
     for prompt in prompts(model.args.vocab_size, 6):
-        plain = generate.generate(model, prompt, 40, GREEDY)
-        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        plain = decode.generate(model, prompt, 40, GREEDY)
+        spec = decode.generate(model, prompt, 40, GREEDY, draft=draft)
         assert spec.tokens == plain.tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
@@ -258,8 +260,8 @@ def test_greedy_speculative_equals_plain_on_quantized_target_in_bf16(quantized_p
     draft = load_draft(head_path, model)
     lengths = []
     for prompt in prompts(model.args.vocab_size, 4):
-        plain = generate.generate(model, prompt, 40, GREEDY)
-        spec = generate.generate(model, prompt, 40, GREEDY, draft=draft)
+        plain = decode.generate(model, prompt, 40, GREEDY)
+        spec = decode.generate(model, prompt, 40, GREEDY, draft=draft)
         assert spec.tokens == plain.tokens
         lengths += spec.accept_lengths
     assert len(set(lengths)) >= 5  # deep and varied paths through the verify

@@ -192,8 +192,8 @@ def test_the_template_environment_is_transformers(vocabularies, tmp_path, templa
 
 @pytest.fixture(scope="module")
 def smollm2_target(smollm2):
-    import generate
-    return generate.load_target(smollm2[1] / "model.pth", "cpu", "fp32", 1024)
+    from load import load_target
+    return load_target(smollm2[1] / "model.pth", "cpu", "fp32", 1024)
 
 
 @pytest.mark.slow
@@ -207,8 +207,7 @@ def test_a_forced_call_is_read_back_and_goes_back_through_the_template(vocabular
     transformers' too (Mistral's template takes the call's id)."""
     pytest.importorskip("llguidance", reason="forced calls are grammars: pip install llguidance")
     jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
-    import generate
-    from decode import SamplingConfig
+    from decode import SamplingConfig, generate
     from grammar import Constraint
     ours, theirs = both(vocabularies, template)
     form, functions = call_format(ours), functions_of(TOOLS)
@@ -216,8 +215,8 @@ def test_a_forced_call_is_read_back_and_goes_back_through_the_template(vocabular
     n_vocab = smollm2_target.args.vocab_size
     constraint = Constraint(ours, n_vocab, call_grammar(ours, n_vocab, form, functions, names))
     messages = conversation(template)[:2]
-    result = generate.generate(smollm2_target, ours.encode_chat(messages, TOOLS), 120, SamplingConfig(), ours.eos_ids,
-                               constraint=constraint)
+    result = generate(smollm2_target, ours.encode_chat(messages, TOOLS), 120, SamplingConfig(), ours.eos_ids,
+                      constraint=constraint)
     assert constraint.done(), "the call is complete"
     content, calls = parse_calls(ours.decode(result.tokens), form)
     assert content is None and [c["function"]["name"] for c in calls] == [function]

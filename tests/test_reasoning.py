@@ -7,9 +7,9 @@ from itertools import combinations
 
 import pytest
 
-import generate
+from decode import SamplingConfig, TreeConfig, generate
+from load import load_draft, load_target
 from conftest import ROOT, smollm2_gguf
-from decode import SamplingConfig, TreeConfig
 from grammar import Constraint, after_thinking, grammar_of, grammar_tokenizer, tag_token
 from reasoning import (ANSWERING, MAY_THINK, THINK_END, THINK_START, THINKING, ReasoningStream, reasoning_start,
                        reply_start, split, template_thinks)
@@ -219,8 +219,8 @@ def test_a_spelled_out_end_is_refused_where_the_end_is_a_token(tokenizer):
 @pytest.fixture(scope="module")
 def demo():
     pytest.importorskip("llguidance", reason=GRAMMAR_ENGINE)
-    target = generate.load_target(ROOT / "demo" / "target" / "model.pth", "cpu", "fp32", 512)
-    head = generate.load_draft(ROOT / "demo" / "head" / "draft.pth", target)
+    target = load_target(ROOT / "demo" / "target" / "model.pth", "cpu", "fp32", 512)
+    head = load_draft(ROOT / "demo" / "head" / "draft.pth", target)
     target.set_feature_layers(head.feature_layers)
     return target, Tokenizer(ROOT / "demo" / "target"), head
 
@@ -233,13 +233,13 @@ def test_speculative_equals_plain_and_the_thinking_is_free(demo, start):
     target, tokenizer, head = demo
     prompt, n_vocab, n = tokenizer.encode("def read_lines(path):\n"), target.args.vocab_size, 48
     grammar = after_thinking(tokenizer, n_vocab, grammar_of("json_schema", json.dumps(SCHEMA)), start)
-    results = [generate.generate(target, prompt, n, SamplingConfig(), tokenizer.eos_ids, draft=draft,
-                                 tree=TreeConfig(6, 10, 60), constraint=Constraint(tokenizer, n_vocab, grammar))
+    results = [generate(target, prompt, n, SamplingConfig(), tokenizer.eos_ids, draft=draft,
+                        tree=TreeConfig(6, 10, 60), constraint=Constraint(tokenizer, n_vocab, grammar))
                for draft in (None, head)]
     assert results[0].tokens == results[1].tokens
     text = tokenizer.decode(results[1].tokens)
     if start == THINKING:
-        free = generate.generate(target, prompt, n, SamplingConfig(), tokenizer.eos_ids).tokens
+        free = generate(target, prompt, n, SamplingConfig(), tokenizer.eos_ids).tokens
         free = free[:next((i for i, t in enumerate(free) if t in tokenizer.eos_ids), len(free))]
         assert results[1].tokens[:len(free)] == free and THINK_END not in tokenizer.decode(free)
     if THINK_END in text or start == MAY_THINK and not text.startswith(THINK_START):  # an answer: the schema's
@@ -257,8 +257,8 @@ def test_speculative_equals_plain_after_the_thinking(demo):
     for draft in (None, head):
         constraint = Constraint(tokenizer, n_vocab, grammar)
         assert constraint.take(thought) == len(thought)
-        result = generate.generate(target, tokenizer.encode("def read_lines(path):\n") + thought, 24, SamplingConfig(),
-                                   tokenizer.eos_ids, draft=draft, tree=TreeConfig(6, 10, 60), constraint=constraint)
+        result = generate(target, tokenizer.encode("def read_lines(path):\n") + thought, 24, SamplingConfig(),
+                          tokenizer.eos_ids, draft=draft, tree=TreeConfig(6, 10, 60), constraint=constraint)
         assert constraint.done() and constraint.cuts > 0  # the schema steered it
         replies.append(result.tokens)
     assert replies[0] == replies[1]

@@ -4,9 +4,11 @@ chat turn reuses -- and the extra call must never write past the cache."""
 import pytest
 import torch
 
-import generate
+from checkpoint import EagletError
+from decode import SamplingConfig, TreeConfig, generate, speculative_cycle
+from tokenizer import Tokenizer
 from conftest import ROOT
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from load import load_draft, load_target
 
 DEMO = ROOT / "demo"
 GREEDY = SamplingConfig()
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.skipif(not (DEMO / "target" / "model.pth").is_file(), r
 def demo():
     target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 256)
     draft = load_draft(DEMO / "head" / "draft.pth", target)
-    tokenizer = generate.Tokenizer(DEMO / "target")
+    tokenizer = Tokenizer(DEMO / "target")
     return target, draft, [tokenizer.encode(p, bos=True) for p in PROMPTS]
 
 
@@ -29,7 +31,7 @@ def both(target, prompt, n, sampling=GREEDY, seed=None, **kwargs):
     for ahead in (False, True):
         if seed is not None:
             torch.manual_seed(seed)
-        results.append(generate.generate(target, prompt, n, sampling, run_ahead=ahead, **kwargs))
+        results.append(generate(target, prompt, n, sampling, run_ahead=ahead, **kwargs))
     return results
 
 
@@ -55,7 +57,7 @@ def test_sampled_draws_are_the_same(demo):
 
 def test_eos_and_stop_strings_end_where_they_did(demo):
     target, draft, prompts = demo
-    reference = generate.generate(target, prompts[0], 40, GREEDY).tokens
+    reference = generate(target, prompts[0], 40, GREEDY).tokens
     eos = reference[9]  # a token the output reaches part-way through a cycle
     for kwargs in ({}, {"draft": draft}):
         alone, ahead = both(target, prompts[0], 40, eos_ids=(eos,), **kwargs)
@@ -67,8 +69,8 @@ def test_eos_and_stop_strings_end_where_they_did(demo):
         results = []
         for ahead in (False, True):
             stop_after_12.count = 0
-            results.append(generate.generate(target, prompts[0], 40, GREEDY, on_tokens=stop_after_12,
-                                             run_ahead=ahead, **kwargs).tokens)
+            results.append(generate(target, prompts[0], 40, GREEDY, on_tokens=stop_after_12,
+                                    run_ahead=ahead, **kwargs).tokens)
         assert results[0] == results[1] == reference[:12]
 
 
@@ -82,13 +84,13 @@ def test_calls_are_queued_before_tokens_are_read(demo):
 
     def counting_cycle(*args):
         calls[0] += 1
-        return generate.speculative_cycle(*args)
+        return speculative_cycle(*args)
 
     def on_tokens(new):
         seen_at.append((calls[0], emitted[0]))
         emitted[0] += len(new)
-    result = generate.generate(target, prompts[0], 40, GREEDY, draft=draft, step_fn=counting_cycle,
-                               on_tokens=on_tokens, run_ahead=True)
+    result = generate(target, prompts[0], 40, GREEDY, draft=draft, step_fn=counting_cycle,
+                      on_tokens=on_tokens, run_ahead=True)
     cycles = len(result.accept_lengths)
     assert seen_at[0] == (0, 0)  # the prefill's token
     for k, (called, before) in enumerate(seen_at[1:], 1):  # cycle k's tokens, read after `called` calls
@@ -118,12 +120,12 @@ def test_second_chat_turn_reuses_the_caches(demo):
     """A turn decoded running ahead leaves its context's K/V (target and draft) as a turn without: the next turn,
     starting from the kept tokens, decodes as a fresh run over the whole history."""
     target, draft, prompts = demo
-    first = generate.generate(target, prompts[0], 23, GREEDY, draft=draft, run_ahead=True)
+    first = generate(target, prompts[0], 23, GREEDY, draft=draft, run_ahead=True)
     history = prompts[0] + first.tokens
     second_prompt = history + prompts[1][1:]
-    reused = generate.generate(target, second_prompt, 20, GREEDY, draft=draft, start_pos=len(history),
-                               run_ahead=True)
-    fresh = generate.generate(target, second_prompt, 20, GREEDY, draft=draft, run_ahead=False)
+    reused = generate(target, second_prompt, 20, GREEDY, draft=draft, start_pos=len(history),
+                      run_ahead=True)
+    fresh = generate(target, second_prompt, 20, GREEDY, draft=draft, run_ahead=False)
     assert reused.tokens == fresh.tokens and reused.accept_lengths == fresh.accept_lengths
 
 
@@ -135,8 +137,8 @@ def test_a_run_that_cannot_fit_is_refused_before_any_call(demo):
     prompt = prompts[2]
     target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", len(prompt) + 30)
     draft = load_draft(DEMO / "head" / "draft.pth", target)
-    generate.generate(target, prompt, 30, GREEDY, run_ahead=True)  # fits exactly
-    with pytest.raises(generate.EagletError, match=r"max_new_tokens \(31\) = .* exceeds the cache"):
-        generate.generate(target, prompt, 31, GREEDY, run_ahead=True)
-    with pytest.raises(generate.EagletError, match=r"max_new_tokens \(1\) \+ tree scratch \(60\) = .* exceeds"):
-        generate.generate(target, prompt, 1, GREEDY, draft=draft, tree=tree, run_ahead=True)
+    generate(target, prompt, 30, GREEDY, run_ahead=True)  # fits exactly
+    with pytest.raises(EagletError, match=r"max_new_tokens \(31\) = .* exceeds the cache"):
+        generate(target, prompt, 31, GREEDY, run_ahead=True)
+    with pytest.raises(EagletError, match=r"max_new_tokens \(1\) \+ tree scratch \(60\) = .* exceeds"):
+        generate(target, prompt, 1, GREEDY, draft=draft, tree=tree, run_ahead=True)

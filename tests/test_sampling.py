@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import decode
-import generate
+from batch import generate_batch
+from decode import SamplingConfig, TreeConfig, accept, generate, logits_to_probs, sample
 import graphs
 from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig, accept, logits_to_probs, sample
-from generate import load_draft, load_target
+from load import load_draft, load_target
 
 VOCAB, PROMPT, N_TOKENS = 8, [1, 5, 3], 3
 TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
@@ -69,7 +69,7 @@ def speculative_samples(model, draft, sampling):
     counts, lengths = Counter(), []
     for i in range(STAT_SAMPLES):
         torch.manual_seed(i)
-        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE)
+        result = generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE)
         counts[tuple(result.tokens)] += 1
         lengths += result.accept_lengths
     print(f"tau {sum(lengths) / len(lengths):.2f}, tokens per cycle seen: {sorted(Counter(lengths).items())}")
@@ -82,7 +82,7 @@ def check_sampled_sequences(target_dir, model, draft, tree):
     sampling, counts, lengths = SamplingConfig(temperature=1.0), Counter(), []
     for i in range(STAT_SAMPLES):
         torch.manual_seed(i)
-        result = generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=tree)
+        result = generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=tree)
         counts[tuple(result.tokens)] += 1
         lengths += result.accept_lengths
     assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
@@ -165,8 +165,8 @@ def test_batched_rows_sample_the_target_distribution(pair):
     try:
         for i in range(STAT_SAMPLES // 2):
             torch.manual_seed(i)
-            rows = generate.generate_batch(model, [PROMPT, [1, 2, 3, 4, 5, 6, 7], PROMPT], N_TOKENS, sampling,
-                                           draft=draft, tree=TREE)
+            rows = generate_batch(model, [PROMPT, [1, 2, 3, 4, 5, 6, 7], PROMPT], N_TOKENS, sampling,
+                                  draft=draft, tree=TREE)
             counts[tuple(rows[0].tokens)] += 1
             counts[tuple(rows[2].tokens)] += 1
     finally:
@@ -195,22 +195,22 @@ def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compili
              "EAGLE-2": ({"draft": draft, "tree": TREE}, graphs.compile_step(decode.speculative_cycle, "cpu"))}
     for kwargs, step in steps.values():
         for warm in (SamplingConfig(), SamplingConfig(1.0), SamplingConfig(logprobs=0), SamplingConfig(1.0, logprobs=0)):
-            generate.generate(model, PROMPT, 8, warm, step_fn=step, **kwargs)
+            generate(model, PROMPT, 8, warm, step_fn=step, **kwargs)
     assert counters["stats"]["unique_graphs"] == 8
     counters.clear()
     for name, (kwargs, step) in steps.items():
         for sampling in SETTINGS:
-            result = generate.generate(model, PROMPT, 8, sampling, step_fn=step, **kwargs)
+            result = generate(model, PROMPT, 8, sampling, step_fn=step, **kwargs)
             assert len(result.tokens) == 8, (name, sampling)
             assert [len(top) for _, top in result.logprobs] == [sampling.logprobs] * 8 * (sampling.logprobs >= 0)
             if sampling.greedy:
-                assert result.tokens == generate.generate(model, PROMPT, 8, sampling, **kwargs).tokens
+                assert result.tokens == generate(model, PROMPT, 8, sampling, **kwargs).tokens
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
     sampling, counts = SamplingConfig(temperature=0.8, top_p=0.9, top_k=5), Counter()
     for i in range(STAT_SAMPLES):
         torch.manual_seed(i)
-        counts[tuple(generate.generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE,
-                                       step_fn=steps["EAGLE-2"][1]).tokens)] += 1
+        counts[tuple(generate(model, PROMPT, N_TOKENS, sampling, draft=draft, tree=TREE,
+                              step_fn=steps["EAGLE-2"][1]).tokens)] += 1
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
     assert counters["stats"]["unique_graphs"] == 0
 

@@ -20,9 +20,9 @@ try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx b
 except ImportError:
     httpx = pytest.importorskip("httpx", reason="comes with openai")
 
-import generate  # noqa: E402
+from decode import SamplingConfig, generate  # noqa: E402
+from load import load_draft, load_target  # noqa: E402
 from chat import TextStreamer  # noqa: E402
-from decode import SamplingConfig  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 DEMO = ROOT / "demo"
@@ -57,14 +57,14 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference():
     """generate()'s own greedy reply (text, tokens) on the demo with its head, as generate.py decodes it."""
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 1024)
-    draft = generate.load_draft(DEMO / "head" / "draft.pth", target)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 1024)
+    draft = load_draft(DEMO / "head" / "draft.pth", target)
     tokenizer = Tokenizer(DEMO / "target")
 
     def reply(prompt: list, n: int, stop=()):
         streamer = TextStreamer(tokenizer, prompt, enabled=False, stop=stop)
-        result = generate.generate(target, prompt, n, SamplingConfig(), eos_ids=tokenizer.eos_ids, draft=draft,
-                                   on_tokens=streamer)
+        result = generate(target, prompt, n, SamplingConfig(), eos_ids=tokenizer.eos_ids, draft=draft,
+                          on_tokens=streamer)
         streamer.flush()
         return streamer.text, result.tokens
     reply.tokenizer = tokenizer
@@ -487,7 +487,7 @@ def test_logprobs_equal_a_plain_forward_streamed_or_not(client, reference):
     entry per token of the reply, its bytes spelling the reply, its logprob and top alternatives those of one plain
     forward over prompt and reply; streamed entries equal the whole reply's."""
     from test_logprobs import forward_logprobs
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
     tokenizer = reference.tokenizer
     messages = [{"role": "user", "content": "def read_lines(path):"}]
     whole = client.chat.completions.create(model="eaglet", messages=messages, temperature=0, max_tokens=30,

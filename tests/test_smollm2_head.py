@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
-import generate
-from generate import load_draft, load_target
+from decode import SamplingConfig, TreeConfig, generate
+from load import load_draft, load_target
 from tokenizer import Tokenizer
 
 HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct-eagle"
@@ -33,8 +32,8 @@ def test_shipped_head_is_lossless_and_drafts(smollm2, tmp_path):
     draft = load_draft(convert(tmp_path / "head", log=lambda *_: None), model)
     tokenizer = Tokenizer(out)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    runs = [generate.generate(model, p, NEW_TOKENS, GREEDY, tokenizer.eos_ids, draft=draft, tree=TREE) for p in prompts]
-    plain = generate.generate(model, prompts[0], NEW_TOKENS, GREEDY, tokenizer.eos_ids)
+    runs = [generate(model, p, NEW_TOKENS, GREEDY, tokenizer.eos_ids, draft=draft, tree=TREE) for p in prompts]
+    plain = generate(model, prompts[0], NEW_TOKENS, GREEDY, tokenizer.eos_ids)
     assert runs[0].tokens == plain.tokens
     lengths = [n for run in runs for n in run.accept_lengths]
     tau = sum(lengths) / len(lengths)

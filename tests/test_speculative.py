@@ -5,9 +5,11 @@ import torch
 from safetensors.torch import load_file
 
 import generate
+import decode
 from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, read_generation, scripted_input, write_eagle_head
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
 from attention import causal_mask
 
 GREEDY = SamplingConfig()
@@ -45,8 +47,8 @@ def test_greedy_speculative_equals_plain(pairs, name, tau_range):
     vocab = model.args.vocab_size
     lengths = []
     for prompt in prompts(vocab, 8):
-        plain = generate.generate(model, prompt, 48, GREEDY)
-        spec = generate.generate(model, prompt, 48, GREEDY, draft=draft)
+        plain = decode.generate(model, prompt, 48, GREEDY)
+        spec = decode.generate(model, prompt, 48, GREEDY, draft=draft)
         assert spec.tokens == plain.tokens
         lengths += spec.accept_lengths
     tau = sum(lengths) / len(lengths)
@@ -65,8 +67,8 @@ def test_greedy_other_tree_shapes(pairs, depth, topk, total_tokens):
     draft = load_draft(head_dir / "draft.pth", model)
     tree = TreeConfig(depth, topk, total_tokens)
     for prompt in prompts(64, 4, seed=1):
-        assert generate.generate(model, prompt, 40, GREEDY, draft=draft, tree=tree).tokens == \
-            generate.generate(model, prompt, 40, GREEDY).tokens
+        assert decode.generate(model, prompt, 40, GREEDY, draft=draft, tree=tree).tokens == \
+            decode.generate(model, prompt, 40, GREEDY).tokens
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
@@ -78,7 +80,7 @@ def test_caches_equal_plain_decoding_after_cycles(pairs, sampling):
     draft = load_draft(head_dir / "draft.pth", model)
     prompt = prompts(64, 1, seed=5)[0]
     torch.manual_seed(0)
-    result = generate.generate(model, prompt, 60, sampling, draft=draft)
+    result = decode.generate(model, prompt, 60, sampling, draft=draft)
     assert len(result.accept_lengths) >= 5 and len(set(result.accept_lengths)) >= 2
     seq = prompt + result.tokens
     n = len(seq) - 1  # the last emitted token is the next root: not in the caches yet

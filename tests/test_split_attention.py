@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import generate
+from batch import generate_batch
+from cli import DEMO_PROMPT
+from decode import SamplingConfig, generate, speculative_cycle
+from load import load_draft, load_target
 import attention
 from conftest import ROOT
 from attention import KV_BLOCK, SplitMask, attention_mask, context_block_mask, split_attention
@@ -187,15 +190,15 @@ def demo():
     from tokenizer import Tokenizer
     if not (DEMO / "head" / "draft.pth").exists():
         pytest.skip("no demo/ (scripts/make_demo.py)")
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
     tokenizer = Tokenizer(DEMO / "target")
-    prompts = [tokenizer.encode(generate.DEMO_PROMPT), tokenizer.encode("import os\n\n\ndef main():\n    for ")]
-    return target, generate.load_draft(DEMO / "head" / "draft.pth", target), prompts
+    prompts = [tokenizer.encode(DEMO_PROMPT), tokenizer.encode("import os\n\n\ndef main():\n    for ")]
+    return target, load_draft(DEMO / "head" / "draft.pth", target), prompts
 
 
 def run_demo(target, draft, prompts, n_tokens=40, step_fn=None):
-    greedy = generate.SamplingConfig()
-    return [generate.generate(target, p, n_tokens, greedy, draft=draft, step_fn=step_fn) for p in prompts]
+    greedy = SamplingConfig()
+    return [generate(target, p, n_tokens, greedy, draft=draft, step_fn=step_fn) for p in prompts]
 
 
 def test_generate_with_split_attention_equals_without(demo, split_on):
@@ -217,7 +220,7 @@ def test_generate_batch_with_split_attention_equals_each_row_alone(demo, split_o
     target.setup_caches(max_batch_size=2, max_seq_length=512)
     draft.setup_caches(512, max_batch_size=2)
     try:
-        batch = generate.generate_batch(target, prompts, 40, generate.SamplingConfig(), draft=draft)
+        batch = generate_batch(target, prompts, 40, SamplingConfig(), draft=draft)
         assert {60, 10, 8} <= set(split_on)
         attention.SPLIT_ATTENTION = False
         alone = run_demo(target, draft, prompts)
@@ -243,7 +246,7 @@ def test_compiled_cycle_with_split_attention_equals_eager(demo, split_on):
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
     torch._dynamo.reset()
-    step = torch.compile(generate.speculative_cycle, fullgraph=True, backend=inductor)
+    step = torch.compile(speculative_cycle, fullgraph=True, backend=inductor)
     compiled = run_demo(target, draft, prompts, 24, step)
     assert [r.tokens for r in compiled] == [r.tokens for r in masked]
     assert [r.accept_lengths for r in compiled] == [r.accept_lengths for r in masked]

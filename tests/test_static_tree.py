@@ -5,6 +5,9 @@ import pytest
 import torch
 
 import generate
+from batch import generate_batch
+import decode
+from load import load_draft, load_target
 from conftest import ROOT, expect_error, read_generation
 from attention import causal_mask
 from decode import SamplingConfig, draft_start, prefill, speculative_cycle
@@ -19,10 +22,10 @@ CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1
 
 @pytest.fixture(scope="module")
 def demo():
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
     tokenizer = Tokenizer(DEMO / "target")
     prompts = [tokenizer.encode(p) for p in ("def read_lines(path):\n", "class Stack:\n    def __init__(self):\n")]
-    return target, prompts, [generate.generate(target, p, 64, SamplingConfig()).tokens for p in prompts]
+    return target, prompts, [decode.generate(target, p, 64, SamplingConfig()).tokens for p in prompts]
 
 
 def test_the_shape_read_from_the_paths():
@@ -45,12 +48,12 @@ def test_the_shape_read_from_the_paths():
 @pytest.mark.parametrize("head", ["head", "head3", "dflash"])
 def test_greedy_equals_plain_with_every_head_kind(demo, head):
     target, prompts, plain = demo
-    draft = generate.load_draft(DEMO / head / "draft.pth", target)
+    draft = load_draft(DEMO / head / "draft.pth", target)
     tree = StaticTree(CHOICES)
     tree.check(draft)
     accepted = []
     for prompt, want in zip(prompts, plain):
-        result = generate.generate(target, prompt, 64, SamplingConfig(), draft=draft, tree=tree)
+        result = decode.generate(target, prompt, 64, SamplingConfig(), draft=draft, tree=tree)
         assert result.tokens == want
         accepted += result.accept_lengths
     assert max(accepted) >= 3 and len(accepted) < 2 * 64  # drafts were accepted, deep ones too
@@ -58,7 +61,7 @@ def test_greedy_equals_plain_with_every_head_kind(demo, head):
 
 def test_a_dflash_block_drafts_each_node_from_its_levels_position(demo):
     target, prompts, _ = demo
-    draft = generate.load_draft(DEMO / "dflash" / "draft.pth", target)
+    draft = load_draft(DEMO / "dflash" / "draft.pth", target)
     tree = StaticTree(CHOICES)
     root, ctx = torch.tensor(prompts[0][-1]), torch.tensor(len(prompts[0]) - 1)
     with torch.no_grad():
@@ -77,14 +80,14 @@ def test_a_dflash_block_drafts_each_node_from_its_levels_position(demo):
 @pytest.mark.slow
 def test_compiled_and_batched_static_cycles_equal_plain(demo):
     target, prompts, plain = demo
-    draft = generate.load_draft(DEMO / "head" / "draft.pth", target)
+    draft = load_draft(DEMO / "head" / "draft.pth", target)
     tree = StaticTree(CHOICES)
     step = compile_step(speculative_cycle, "cpu")
     for prompt, want in zip(prompts, plain):
-        assert generate.generate(target, prompt, 64, SamplingConfig(), draft=draft, tree=tree, step_fn=step).tokens == want
+        assert decode.generate(target, prompt, 64, SamplingConfig(), draft=draft, tree=tree, step_fn=step).tokens == want
     target.setup_caches(2, 512)
     draft.setup_caches(512, 2)
-    rows = generate.generate_batch(target, prompts, 64, SamplingConfig(), draft=draft, tree=tree)
+    rows = generate_batch(target, prompts, 64, SamplingConfig(), draft=draft, tree=tree)
     assert [r.tokens for r in rows] == plain
 
 
@@ -104,7 +107,7 @@ def test_a_nodes_drafts_depend_on_its_ancestors_alone(demo, head):
     """From an EAGLE head, a node's token is its own parent's rank-th draft: the same in the whole tree and in a
     tree of its path alone (a draft taken after another node of the level above would differ)."""
     target, prompts, _ = demo
-    draft = generate.load_draft(DEMO / head / "draft.pth", target)
+    draft = load_draft(DEMO / head / "draft.pth", target)
     tree = StaticTree(CHOICES)
     with torch.no_grad():
         logits, features = prefill(target, torch.tensor([prompts[0]]), 0)

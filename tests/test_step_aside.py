@@ -10,7 +10,7 @@ from conftest import HANG_S, STAT_SAMPLES, make_context_pair
 from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig, generate
 from step_aside import StepAside
-from generate import load_draft, load_target
+from load import load_draft, load_target
 
 GREEDY = SamplingConfig()
 TREE = TreeConfig(depth=3, topk=3, total_tokens=10)

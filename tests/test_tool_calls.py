@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("llguidance", reason="forced calls are grammars: pip install llguidance")
 jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
 
-import generate  # noqa: E402
+from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
+from load import load_draft, load_target  # noqa: E402
 from conftest import HANG_S, ROOT, smollm2_gguf  # noqa: E402
-from decode import SamplingConfig, TreeConfig  # noqa: E402
 from grammar import Constraint, grammar_of, grammar_tokenizer, tag_token  # noqa: E402
 from model import EagletError  # noqa: E402
 from openai_fields import messages_of  # noqa: E402
@@ -133,8 +133,8 @@ def test_tool_choice_and_tools_are_checked_by_name():
 @pytest.mark.parametrize("form", ["hermes", "llama"])
 def test_a_forced_call_is_valid_and_speculation_keeps_it_exact(tmp_path, form):
     tokenizer = tokenizer_with(tmp_path, HERMES if form == "hermes" else LLAMA)
-    target = generate.load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
-    head = generate.load_draft(DEMO / "head" / "draft.pth", target)
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 512)
+    head = load_draft(DEMO / "head" / "draft.pth", target)
     functions = functions_of([WEATHER, CLOCK])
     for names in (["get_weather", "get_time"], ["get_time"]):
         grammar = call_grammar(tokenizer, target.args.vocab_size, form, functions, names)
@@ -142,8 +142,8 @@ def test_a_forced_call_is_valid_and_speculation_keeps_it_exact(tmp_path, form):
         replies = []
         for draft in (None, head):
             constraint = Constraint(tokenizer, target.args.vocab_size, grammar)
-            result = generate.generate(target, prompt, 120, SamplingConfig(), tokenizer.eos_ids, draft=draft,
-                                       tree=TreeConfig(3, 4, 8), constraint=constraint)
+            result = generate(target, prompt, 120, SamplingConfig(), tokenizer.eos_ids, draft=draft,
+                              tree=TreeConfig(3, 4, 8), constraint=constraint)
             assert constraint.done(), "the call is complete"
             replies.append(result.tokens)
         assert replies[0] == replies[1]
@@ -295,11 +295,11 @@ def test_smollm2_decodes_a_forced_call_through_the_tag_tokens(smollm2, tmp_path)
     are renamed unused special tokens (SmolLM2's embedding has exactly its tokenizer's 49152 rows, none spare for
     tokens added after them), not special, so they decode to their text as Qwen's do."""
     tokenizer = smollm2_tokenizer(tmp_path, renamed=TAGS, special=False)
-    target = generate.load_target(smollm2[1] / "model.pth", "cpu", "fp32", 1024)
+    target = load_target(smollm2[1] / "model.pth", "cpu", "fp32", 1024)
     n_vocab, functions = target.args.vocab_size, functions_of([WEATHER, CLOCK])
     constraint = Constraint(tokenizer, n_vocab, call_grammar(tokenizer, n_vocab, "hermes", functions, ["get_weather"]))
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the weather in Paris?"}], [WEATHER, CLOCK])
-    result = generate.generate(target, prompt, 80, SamplingConfig(), tokenizer.eos_ids, constraint=constraint)
+    result = generate(target, prompt, 80, SamplingConfig(), tokenizer.eos_ids, constraint=constraint)
     tags = [tokenizer.token_id(tag) for tag in TAGS]
     assert constraint.done() and [t for t in result.tokens if t in tags] == tags
     content, calls = parse_calls(tokenizer.decode(result.tokens), "hermes")

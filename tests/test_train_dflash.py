@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import generate
+from tokenizer import Tokenizer
 import train_draft
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from decode import catch_up
 from block_draft import DFlash2Draft, DFlashDraft, XPressDraft
-from generate import load_draft, load_target
+from load import load_draft, load_target
 from test_train_eagle3 import corpus
 
 
@@ -70,7 +70,7 @@ def train_a_head(checkpoints, tmp_path, kind: str, **settings):
     held-out batch)."""
     target_dir, _ = checkpoints("llama8")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
-    tokenizer = generate.Tokenizer(target_dir)
+    tokenizer = Tokenizer(target_dir)
     text = tokenizer.encode(corpus(tmp_path / "corpus.txt", n_words=3000).read_text(), bos=False)
     examples = [(text[i:i + 48], [1] * 48) for i in range(0, len(text) - 48, 48)]
     for layer in target.layers:

@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import generate
+from decode import SamplingConfig, generate
+from tokenizer import Tokenizer
 import train_draft
 from conftest import expect_error
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, load_draft, load_target
+from load import load_draft, load_target
 
 PUBLISHED_KEYS = {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
                   "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -35,7 +36,7 @@ def test_training_lowers_the_loss_and_tools_accept_the_head(checkpoints, tmp_pat
     target_dir, _ = checkpoints("llama31")
     text = corpus(tmp_path / "corpus.txt")
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
-    tokenizer = generate.Tokenizer(target_dir)
+    tokenizer = Tokenizer(target_dir)
     cfg = train_draft.TrainConfig(steps=60, batch_size=4, seq_len=48, lr=3e-3, warmup=5, noise=0.0)
     examples = train_draft.load_examples([text], tokenizer, cfg.seq_len)
     tokens, mask = next(train_draft.batches(examples, 8, cfg.seq_len, 0, seed=123))
@@ -60,8 +61,8 @@ def test_training_lowers_the_loss_and_tools_accept_the_head(checkpoints, tmp_pat
     model = load_target(target_dir / "model.pth", "cpu", "fp32", 200)
     draft = load_draft(tmp_path / "head" / "draft.pth", model)
     prompt = tokenizer.encode("w5 w6 w7 w8")
-    spec = generate.generate(model, prompt, 40, SamplingConfig(), draft=draft)
-    assert spec.tokens == generate.generate(model, prompt, 40, SamplingConfig()).tokens
+    spec = generate(model, prompt, 40, SamplingConfig(), draft=draft)
+    assert spec.tokens == generate(model, prompt, 40, SamplingConfig()).tokens
 
 
 @pytest.mark.slow
@@ -81,7 +82,7 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
     monkeypatch.setattr(train_draft, "train", lambda target, examples, *a, **k: (
         trained_on.append(examples), real_train(target, examples, *a, **k))[1])
     monkeypatch.setattr(train_draft, "generate",
-                        lambda *a, **k: (replies_written.append(1), generate.generate(*a, **k))[1])
+                        lambda *a, **k: (replies_written.append(1), generate(*a, **k))[1])
     train_draft.main(argv + ["--steps", "5"])
     out = capsys.readouterr().out
     assert "self-distilling 14/14 examples (100.0%)" in out and "chat template: " in out  # progress, named
@@ -112,7 +113,7 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
 
 def test_chat_examples_mask_only_the_assistant(checkpoints):
     target_dir, _ = checkpoints("llama2")
-    tokenizer = generate.Tokenizer(target_dir)
+    tokenizer = Tokenizer(target_dir)
     tokens, mask = train_draft.chat_example(tokenizer, ["w1 w2", "w3"], ["w10 w11", "w12"])
     masked = [t for t, m in zip(tokens, mask) if m]
     assert masked == tokenizer.encode("w10 w11", bos=False) + [2] + tokenizer.encode("w12", bos=False) + [2]
@@ -135,7 +136,7 @@ def test_a_head_trained_on_a_biased_target_loads_back(checkpoints, tmp_path):
         target_dir, _ = checkpoints(kind)
         target = load_target(target_dir / "model.pth", "cpu", "fp32")
         cfg = train_draft.TrainConfig(steps=2, batch_size=2, seq_len=16, warmup=1)
-        examples = train_draft.load_examples([corpus(tmp_path / "c.txt", 200)], generate.Tokenizer(target_dir), 16)
+        examples = train_draft.load_examples([corpus(tmp_path / "c.txt", 200)], Tokenizer(target_dir), 16)
         train_draft.train(target, examples, tmp_path / kind, cfg, log=lambda *_: None)
         convert(tmp_path / kind, log=lambda *_: None)
         model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
@@ -224,7 +225,7 @@ def test_the_record_names_every_input_that_changes_the_replies(checkpoints, tmp_
     def record(**settings):
         args = {"seq_len": 64, "max_new_tokens": 6, "sampling": SamplingConfig(), "precision": "fp32", "device": "cpu",
                 **settings}
-        tokenizer = generate.Tokenizer(folder)
+        tokenizer = Tokenizer(folder)
         return train_draft.self_distill_record(folder / "model.pth", [data], tokenizer, **args)
 
     def changed(edit=None, **settings):

@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import generate
+from decode import SamplingConfig, TreeConfig, catch_up, generate
+from tokenizer import Tokenizer
 import train_draft
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from draft import Eagle3Draft, build_tree
-from decode import SamplingConfig, TreeConfig, catch_up
-from generate import load_draft, load_target
+from load import load_draft, load_target
 
 GREEDY = SamplingConfig()
 PUBLISHED_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
@@ -91,7 +91,7 @@ def own_text(target, n=16, new_tokens=48):
     for i in range(n):
         torch.manual_seed(i)
         prompt = [1] + torch.randint(3, target.args.vocab_size, (4,), generator=g).tolist()
-        tokens = prompt + generate.generate(target, prompt, new_tokens, SamplingConfig(temperature=1.0)).tokens
+        tokens = prompt + generate(target, prompt, new_tokens, SamplingConfig(temperature=1.0)).tokens
         examples.append((tokens, [1] * len(tokens)))
     return examples
 
@@ -101,8 +101,8 @@ def measured_tau(target, head, examples, tree=TreeConfig(depth=4, topk=4, total_
     head.setup_caches(128)
     lengths = []
     for tokens, _ in examples[:8]:
-        result = generate.generate(target, tokens[:20], 32, GREEDY, draft=head, tree=tree)
-        assert result.tokens == generate.generate(target, tokens[:20], 32, GREEDY).tokens
+        result = generate(target, tokens[:20], 32, GREEDY, draft=head, tree=tree)
+        assert result.tokens == generate(target, tokens[:20], 32, GREEDY).tokens
         lengths += result.accept_lengths
     return sum(lengths) / len(lengths)
 
@@ -162,7 +162,7 @@ def test_cli_trains_resumes_converts_and_decodes_losslessly(checkpoints, tmp_pat
     assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
     draft_ids = torch.arange(48) + weights["d2t"]
     assert torch.equal(weights["t2d"].nonzero().flatten(), draft_ids)
-    tokenizer = generate.Tokenizer(target_dir)
+    tokenizer = Tokenizer(target_dir)
     counts = torch.bincount(torch.tensor(tokenizer.encode(text.read_text(), bos=False)), minlength=96)
     assert counts[draft_ids].min() >= counts[~weights["t2d"]].max()  # the 48 most frequent tokens of the data
 

@@ -12,11 +12,14 @@ import pytest
 import torch
 
 import generate
+import decode
+from quantize import weight_bytes
 import train_draft
 from conftest import (HANG_S, ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
                       read_generation, scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from decode import SamplingConfig, TreeConfig
+from load import load_draft, load_target
 from model import EagletError
 from tokenizer import Tokenizer
 
@@ -75,16 +78,16 @@ def test_non_finite_and_underflowing_temperatures(pair):
         with pytest.raises(EagletError):
             SamplingConfig(top_p=bad)
     prompt = [1, 5, 9, 11]
-    greedy = generate.generate(model, prompt, 12, SamplingConfig()).tokens
+    greedy = decode.generate(model, prompt, 12, SamplingConfig()).tokens
     assert len(set(greedy)) > 1
     for tiny in (1e-38, 1e-45, 5e-324):  # at and below float32's smallest normal, and the smallest double
-        assert generate.generate(model, prompt, 12, SamplingConfig(temperature=tiny)).tokens == greedy
+        assert decode.generate(model, prompt, 12, SamplingConfig(temperature=tiny)).tokens == greedy
 
 
 def test_one_token_prompt_speculative(pair, tmp_path):
     target_dir, head_dir, model, draft = pair
-    plain = generate.generate(model, [1], 20, SamplingConfig())
-    spec = generate.generate(model, [1], 20, SamplingConfig(), draft=draft)
+    plain = decode.generate(model, [1], 20, SamplingConfig())
+    spec = decode.generate(model, [1], 20, SamplingConfig(), draft=draft)
     assert spec.tokens == plain.tokens and spec.accept_lengths
     out = tmp_path / "o.json"
     generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--draft_checkpoint_path",
@@ -111,10 +114,10 @@ def test_compile_with_few_new_tokens(pair, tmp_path, monkeypatch):
 def test_max_new_tokens_zero_returns_nothing(pair):
     *_, model, draft = pair
     for d in (None, draft):
-        result = bounded(lambda: generate.generate(model, [1, 5], 0, SamplingConfig(), draft=d))
+        result = bounded(lambda: decode.generate(model, [1, 5], 0, SamplingConfig(), draft=d))
         assert result.tokens == [] and result.accept_lengths == []
     with pytest.raises(EagletError, match="max_new_tokens"):
-        generate.generate(model, [1, 5], -1, SamplingConfig())
+        decode.generate(model, [1, 5], -1, SamplingConfig())
 
 
 def test_tokenizer_smaller_than_the_model(tmp_path):
@@ -184,10 +187,10 @@ def test_tau_counts_emitted_tokens(pair):
     """A cycle cut by max_new_tokens counts the tokens it emitted, not those it accepted: each shorter run's
     cycles are a longer run's, the last one cut where the token count ends."""
     *_, model, draft = pair
-    full = generate.generate(model, [1, 5, 9], 60, SamplingConfig(), draft=draft)
+    full = decode.generate(model, [1, 5, 9], 60, SamplingConfig(), draft=draft)
     cut_inside_a_cycle = 0
     for n in (5, 9, 23):
-        result = generate.generate(model, [1, 5, 9], n, SamplingConfig(), draft=draft)
+        result = decode.generate(model, [1, 5, 9], n, SamplingConfig(), draft=draft)
         expected, left = [], n - 1  # the first token comes from the prefill
         for length in full.accept_lengths:
             if left == 0:
@@ -204,7 +207,7 @@ def test_weights_read_counts_one_embedding_row_and_draft_passes(pair):
     params = {p.data_ptr(): p for p in model.parameters()}
     embed = model.tok_embeddings.weight
     expected = sum(p.numel() for p in params.values()) - embed.numel() + embed.shape[1]
-    assert generate.weight_bytes(model) == 4 * expected  # fp32, untied: one row of the table per token
+    assert weight_bytes(model) == 4 * expected  # fp32, untied: one row of the table per token
     tree = TreeConfig(depth=3, topk=4, total_tokens=16)
     draft_bytes = 4 * sum(p.numel() for p in draft.parameters())
     assert generate.cycle_weight_bytes(model, draft, tree) == 4 * expected + 4 * (draft_bytes + 4 * model.output.weight.numel())

@@ -6,6 +6,9 @@ import pytest
 
 import bench
 import generate
+import decode
+from load import load_draft, load_target
+from tokenizer import Tokenizer
 import tune
 from conftest import ROOT, expect_error, read_generation
 from decode import SamplingConfig, TreeConfig
@@ -20,9 +23,9 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def demo():
-    model = generate.load_target(ROOT / "demo" / "target", "cpu", "fp32", max_seq_length=256)
-    draft = generate.load_draft(ROOT / "demo" / "head", model)
-    tokenizer = generate.Tokenizer(ROOT / "demo" / "target")
+    model = load_target(ROOT / "demo" / "target", "cpu", "fp32", max_seq_length=256)
+    draft = load_draft(ROOT / "demo" / "head", model)
+    tokenizer = Tokenizer(ROOT / "demo" / "target")
     prompts = [tokenizer.encode(text) for text in tune.CALIBRATION_PROMPTS[:2]]
     return model, draft, prompts
 
@@ -37,7 +40,7 @@ def taus(demo):
         emitted = cycles = 0
         for prompt in prompts:
             tree = TreeConfig(*point)
-            result = generate.generate(model, prompt, NEW_TOKENS, SamplingConfig(), draft=draft, tree=tree)
+            result = decode.generate(model, prompt, NEW_TOKENS, SamplingConfig(), draft=draft, tree=tree)
             assert len(result.tokens) == NEW_TOKENS and sum(result.accept_lengths) == NEW_TOKENS - 1  # 1: prefill
             emitted += NEW_TOKENS - 1 - result.accept_lengths[-1]
             cycles += len(result.accept_lengths) - 1

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-import generate
+from decode import SamplingConfig, TreeConfig, generate
 import model as model_module
 from conftest import ROOT, head_config, random_head_weights, tiny_config, write_eagle_head, write_tokenizer
 from convert_hf_checkpoint import convert
-from generate import SamplingConfig, TreeConfig, load_draft, load_target
+from load import load_draft, load_target
 from model import EagletError, ModelArgs
 
 ORIGINAL = 64  # original_max_position_embeddings: every case runs to 3 x past it
@@ -159,12 +159,12 @@ def test_greedy_generation_past_the_original_length_is_transformers(tmp_path):
                           pad_token_id=0)[0, 40:].tolist()
     tree = TreeConfig(4, 4, 16)
     model = load_target(tmp_path / "target" / "model.pth", "cpu", "fp32", 40 + 180 + tree.scratch)
-    plain = generate.generate(model, prompt, 180, SamplingConfig())
+    plain = generate(model, prompt, 180, SamplingConfig())
     assert plain.tokens == ref
     draft = load_draft(tmp_path / "head" / "draft.pth", model)
     model.setup_caches(1, model.max_seq_length)
     draft.setup_caches(model.max_seq_length)
-    spec = generate.generate(model, prompt, 180, SamplingConfig(), draft=draft, tree=tree)
+    spec = generate(model, prompt, 180, SamplingConfig(), draft=draft, tree=tree)
     assert spec.tokens == ref
 
 
