@@ -12,7 +12,7 @@ Writes OUT.json and OUT.md (--out; default bench_out/DATE-TIME, never over an ex
 numbers are printed, never asserted. Every derived figure names the measured inputs it comes from.
 """
 # (The docstring above is --help's text.) A tool on top: imports generate.py and what is below it (decode, tune,
-# chat, draft, model, tp, tokenizer, cli) and train_draft.py's question reader; only scripts/ and tests import it.
+# chat, draft, model, tp, tokenizer, cli) and train_data.py's question reader; only scripts/ and tests import it.
 import json
 import os
 import sys
@@ -159,7 +159,7 @@ from generate import (DEMO_MAX_NEW_TOKENS, DEMO_PROMPT, PRECISIONS, check_writab
 from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from train_draft import read_questions  # noqa: E402
+from train_data import read_questions  # noqa: E402
 import tp  # noqa: E402
 from tune import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, check_tune_fits, cycle_start,  # noqa: E402
                   cycle_timing, tree_name, tune_tree)
