@@ -466,7 +466,7 @@ def hf_twin(target: Transformer):
     """The same weights inside transformers (the baseline the EAGLE papers measure against)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from convert_hf_checkpoint import export_layer
+    from convert_common import export_layer
     a = target.args
     config = AutoConfig.for_model(
         a.model_type, vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,

@@ -4,7 +4,7 @@ resumed, the checks on --out_dir, and the trained head written in its kind's pub
 (config.json + model.safetensors).
 
 Imports generate.py (check_writable), draft.py, block_draft.py, head_formats.py, model.py, quantize.py,
-checkpoint.py and convert_hf_checkpoint.py (export_layer); train_draft.py imports it.
+checkpoint.py and convert_common.py (export_layer); train_draft.py imports it.
 """
 import json
 import os
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from convert_hf_checkpoint import export_layer
+from convert_common import export_layer
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name
 from head_formats import eagle3_feature_layers, head_args, is_dflash_config

@@ -17,7 +17,8 @@ import generate
 import model as model_module
 import quantize
 from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, write_tokenizer
-from convert_hf_checkpoint import convert, export_layer
+from convert_common import export_layer
+from convert_hf_checkpoint import convert
 from convert_hf_checkpoint import main as convert_main
 from generate import SamplingConfig, load_draft, load_target
 from model import QUANT_KEY, ModelArgs, read_config

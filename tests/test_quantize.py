@@ -12,7 +12,8 @@ import generate
 import model as model_module
 import quantize
 from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
-from convert_hf_checkpoint import convert, export_layer
+from convert_common import export_layer
+from convert_hf_checkpoint import convert
 from generate import SamplingConfig, TreeConfig, load_draft, load_target, weight_bytes
 from model import QUANT_KEY, ModelArgs, read_config
 from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears
