@@ -12,7 +12,7 @@ Writes OUT.json and OUT.md (--out; default bench_out/DATE-TIME, never over an ex
 numbers are printed, never asserted. Every derived figure names the measured inputs it comes from.
 """
 # (The docstring above is --help's text.) A tool on top: imports generate.py and what is below it (decode, tune,
-# chat, draft, model, tp, tokenizer, cli) and train_draft.py's question reader; only scripts/ and tests import it.
+# chat, draft, model, tp, tokenizer, cli) and train_data.py's question reader; only scripts/ and tests import it.
 import json
 import os
 import sys
@@ -160,7 +160,7 @@ from load import PRECISIONS, check_writable, draft_vocab_of, load_draft, load_ta
 from checkpoint import converted_file  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from train_draft import read_questions  # noqa: E402
+from train_data import read_questions  # noqa: E402
 import tp  # noqa: E402
 from tune import (CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, check_tune_fits, cycle_start,  # noqa: E402
                   cycle_timing, tree_name, tune_tree)
@@ -467,7 +467,7 @@ def hf_twin(target: Transformer):
     """The same weights inside transformers (the baseline the EAGLE papers measure against)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from convert_hf_checkpoint import export_layer
+    from convert_common import export_layer
     a = target.args
     config = AutoConfig.for_model(
         a.model_type, vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,

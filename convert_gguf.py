@@ -1,6 +1,7 @@
-"""A GGUF file (llama.cpp, ollama, LM Studio) read as convert_hf_checkpoint.py needs it: a config.json, the
-tokenizer files, and the weights under Hugging Face names. The file is parsed here (header, metadata, tensor
-table, memory-mapped data), so no GGUF library is needed.
+"""A GGUF file (llama.cpp, ollama, LM Studio) read and converted for convert_hf_checkpoint.py: a config.json, the
+tokenizer files, and the weights under Hugging Face names, then in ours, written as model.pth or
+model_int4.g32.pth (convert_gguf_file). The file is parsed here (header, metadata, tensor table, memory-mapped
+data), so no GGUF library is needed.
 
 Weights keep the file's values exactly. F32 / F16 / BF16 are taken as they are; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K
 are dequantized as llama.cpp computes them, in fp32, and kept in fp16 where that holds every value of a tensor
@@ -10,12 +11,15 @@ Q4_1 and Q4_K Linears map onto Int4Linear's group-32 form with minimums without 
 fp32 where fp16 does not hold them: Q4_K's are products of two fields). llama.cpp stores the query and key
 rows of LLaMA-family attention permuted for its RoPE; they are put back in Hugging Face's order.
 
-Imports checkpoint.py and quantize.py; convert_hf_checkpoint.py imports it.
+Imports checkpoint.py, model.py, quantize.py, cli.py, convert_common.py (a layer in our names, the output file's
+place) and convert_hub_int4.py (the int4 width check); convert_hf_checkpoint.py imports it.
 """
 import json
 import mmap
+import os
 import re
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from checkpoint import EagletError
-from quantize import pack_int4
+from cli import Progress
+from checkpoint import QUANT_KEY, EagletError
+from model import ModelArgs
+from quantize import output_path, pack_int4, quantization_record, spill
+from convert_common import convert_layer, make_folder, refuse_existing
+from convert_hub_int4 import check_int4_widths
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 VALUE_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -517,3 +525,68 @@ def find_gguf(path: Path) -> Path:
         raise EagletError(f"{path} holds {len(found)} .gguf files ({', '.join(p.name for p in found[:3])}); give "
                           "--checkpoint_dir the one to convert")
     return found[0]
+
+
+def gguf_state_dict(f, config: dict, tmp_dir: Path, int4: bool, log=print) -> dict:
+    """A GGUF file's weights in our names, its values exactly: dequantized ones in fp16 where that holds them,
+    else fp32; where its Linears are 4-bit, Int4Linear's g32 form with the file's scales and minimums. The
+    embedding and lm_head (a tied one stays tied) as the file has them, not requantized."""
+    args = ModelArgs.from_hf_config(config)
+    check_tensor_names(f, args.n_layer)
+    types = sorted(set(linear_types(f)))
+    record = quantization_record("int4", 32, f"{f.path.name} ({', '.join(types)})", format_version=2)
+    out = {QUANT_KEY: record | {"lm_head": "as in the file"}} if int4 else {}
+    rest = {"tok_embeddings.weight": dequantize(f, "token_embd.weight"),
+            "norm.weight": dequantize(f, "output_norm.weight")}
+    if "output.weight" in f.tensors:
+        rest["output.weight"] = dequantize(f, "output.weight")
+    out.update(spill(rest, tmp_dir, "embeddings"))
+    with Progress("converting", args.n_layer, "layers", log=log) as progress:
+        for i in range(args.n_layer):
+            layer = gguf_layer(f, i, config, int4_allowed=int4)
+            out.update(spill(convert_layer(layer, f"model.layers.{i}.", f"layers.{i}."), tmp_dir, f"layer{i}"))
+            progress.update(i + 1)
+    return out
+
+
+def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit: bool = True) -> Path:
+    """DIR/model.pth (dequantized) or DIR/model_int4.g32.pth (its 4-bit Linears kept 4-bit) and, beside it, the
+    config.json, tokenizer.json, tokenizer_config.json and generation_config.json the metadata describes.
+    DIR: out_dir, else the file's folder. A file there that differs is replaced only if overwrite."""
+    f = read_gguf(find_gguf(path))
+    config = gguf_config(f)
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except EagletError as e:
+        raise EagletError(f"{f.path}: {e}")
+    texts = {"config.json": json.dumps(config, indent=2), **gguf_tokenizer(f)}
+    types = linear_types(f)
+    int4 = keep_4bit and any(t in INT4_TYPES for t in types)
+    other = sorted(set(t for t in types if t not in INT4_TYPES + ("F32", "F16", "BF16")))
+    if other:
+        log(f"note: {f.path.name} holds {', '.join(other)} Linears: eaglet dequantizes them (fp32, or fp16 "
+            "where that holds them exactly)"
+            + (" (and the other Linears fused with them: q, k, v and gate, up go together)" if int4 else ""))
+    if int4:
+        check_int4_widths(args, 32)
+    out_dir = Path(out_dir) if out_dir is not None else f.path.parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
+    out_path = output_path(out_dir / "model.pth", "int4", 32) if int4 else out_dir / "model.pth"
+    refuse_existing(out_path, overwrite)
+    for name, text in texts.items():
+        if (out_dir / name).is_file() and (out_dir / name).read_bytes() != text.encode():
+            refuse_existing(out_dir / name, overwrite, f" and is not what {f.path.name} describes")
+    make_folder(out_dir)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".eaglet-convert-") as tmp_dir:
+            state_dict = gguf_state_dict(f, config, Path(tmp_dir), int4, log)
+            log(f"writing {out_path}")
+            torch.save(state_dict, Path(tmp_dir) / out_path.name)
+            for name, text in texts.items():
+                (Path(tmp_dir) / name).write_text(text, encoding="utf-8")
+                os.replace(Path(tmp_dir) / name, out_dir / name)
+            os.replace(Path(tmp_dir) / out_path.name, out_path)
+    except OSError as e:
+        raise EagletError(f"cannot write in {out_dir}: {e.strerror or e} (give --out_dir to write elsewhere)")
+    return out_path

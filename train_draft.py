@@ -36,18 +36,14 @@ DFlash2 (--head dflash2): DFlash's head and loss, a causal convolution inside th
 best tokens (the target's pick put in the last place where it is missing), which of them the target picks after
 the token before it. Saved in vLLM speculators' layout (speculators_model_type dflash2).
 """
-# (The docstring above is --help's text.) A tool on top: imports generate.py, draft.py, model.py, quantize.py,
-# tokenizer.py, cli.py and convert_hf_checkpoint.py (export_layer); bench.py and scripts/make_demo.py import it.
-import hashlib
-import json
+# (The docstring above is --help's text.) A tool on top: the command line, each head kind's loss and the training
+# loop. Imports train_data.py (the data and self-distillation), train_heads.py (a fresh head, resuming, saving),
+# generate.py, draft.py, block_draft.py, model.py, tokenizer.py and cli.py; bench.py and scripts/make_demo.py import it.
 import math
-import os
-import random
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 from cli import Progress, cli_parser, float_flag, int_flag
 
@@ -144,312 +140,19 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
-from convert_hf_checkpoint import export_layer  # noqa: E402
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft  # noqa: E402
-from draft import DraftHead, Eagle3Draft, EagleDraft, head_name  # noqa: E402
-from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args, is_dflash_config  # noqa: E402
+from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
+from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args  # noqa: E402
 from decode import SamplingConfig, generate  # noqa: E402
-from load import check_writable, load_target, pick_device  # noqa: E402
-from checkpoint import EagletError, converted_file, mismatch_detail, read_config  # noqa: E402
+from load import load_target, pick_device  # noqa: E402
+from checkpoint import EagletError, converted_file  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from quantize import Int8Linear  # noqa: E402
+from train_data import (batches, check_distill_files, examples_of, read_items, self_distill_paths,  # noqa: E402
+                        self_distill_record, self_distilled_replies, target_replies)
+from train_heads import (check_out_dir, draft_vocabulary, eagle3_config, head_settings, llama_head_config,  # noqa: E402
+                         new_eagle3_head, new_head, prepare_out_dir, resume_from, save_head, target_shape)
 from tokenizer import Tokenizer  # noqa: E402
-
-
-def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
-    """Tokens of a conversation and a mask that is 1 on the assistant's tokens only."""
-    messages, tokens, mask = [], [], []
-    for user, reply in zip(turns, replies):
-        messages.append({"role": "user", "content": user})
-        prompt = tokenizer.encode_chat(messages)
-        messages.append({"role": "assistant", "content": reply})
-        full = tokenizer.encode_chat(messages[:-1]) + tokenizer.encode(reply, bos=False) + sorted(tokenizer.eos_ids)[:1]
-        mask += [0] * (len(prompt) - len(tokens)) + [1] * (len(full) - len(prompt))
-        tokens = full
-    return tokens, mask
-
-
-def read_questions(path: Path) -> list:
-    """A FastChat question file: one JSON object per line, each with a list of "turns" (user messages)."""
-    questions = []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            question = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EagletError(f"{path} line {n} is not JSON: {e}")
-        turns = question.get("turns") if isinstance(question, dict) else None
-        if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-            raise EagletError(f"{path} line {n}: expected an object with \"turns\", a list of strings")
-        questions.append(question)
-    return questions
-
-
-@dataclass
-class DataItem:
-    """One training example to be: a FastChat question (its user turns, and the file's replies if any) or a
-    piece of a text file (its tokens)."""
-    source: Path
-    turns: Optional[list] = None
-    references: Optional[list] = None
-    question_id: object = None
-    tokens: Optional[list] = None
-
-
-def read_items(paths, tokenizer: Tokenizer, seq_len: int) -> list:
-    """The data's questions and its text cut into pieces of seq_len tokens, file by file, in order."""
-    items = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise EagletError(f"data file not found: {path}")
-        if path.suffix == ".jsonl":
-            items += [DataItem(path, turns=q["turns"], references=q.get("reference"), question_id=q.get("question_id"))
-                      for q in read_questions(path)]
-        else:
-            tokens = tokenizer.encode(path.read_text(errors="replace"), bos=False)
-            items += [DataItem(path, tokens=tokens[start:start + seq_len])
-                      for start in range(0, max(len(tokens) - 1, 1), seq_len)]
-    return items
-
-
-def target_replies(item: DataItem, tokenizer: Tokenizer, reply_fn) -> list:
-    """What the target writes for an item: its reply to each turn of a question (having seen its own earlier
-    replies), or the continuation of a text piece's first half. reply_fn: prompt tokens -> text."""
-    if item.turns is None:
-        first_half = item.tokens[:len(item.tokens) // 2]
-        return [reply_fn(first_half) if first_half else ""]
-    replies, messages = [], []
-    for user in item.turns:
-        messages.append({"role": "user", "content": user})
-        replies.append(reply_fn(tokenizer.encode_chat(messages)))
-        messages.append({"role": "assistant", "content": replies[-1]})
-    return replies
-
-
-def make_example(item: DataItem, tokenizer: Tokenizer, seq_len: int, replies=None):
-    """(tokens, loss mask) of at most seq_len tokens, with the file's replies or the target's (replies, from
-    target_replies); None for a text piece too short to learn from."""
-    if item.turns is None:
-        tokens = item.tokens
-        if replies is not None:  # the first half kept, the target's continuation after it
-            tokens = (tokens[:len(tokens) // 2] + tokenizer.encode(replies[0], bos=False))[:seq_len]
-        return (tokens, [1] * len(tokens)) if len(tokens) > 1 else None
-    replies = item.references if replies is None else replies
-    if not replies:
-        raise EagletError(f"{item.source}: question {item.question_id} has no replies; "
-                          "use --self_distill to let the target write them")
-    tokens, mask = chat_example(tokenizer, item.turns, replies)
-    return tokens[:seq_len], mask[:seq_len]
-
-
-def examples_of(items: list, tokenizer: Tokenizer, seq_len: int, replies=None) -> list:
-    """(tokens, loss mask) pairs of the items, with the files' replies or, if given, the target's (a list per item)."""
-    examples = [make_example(item, tokenizer, seq_len, None if replies is None else replies[i])
-                for i, item in enumerate(items)]
-    examples = [e for e in examples if e is not None]
-    if not examples:
-        raise EagletError("no training examples in the data")
-    return examples
-
-
-def load_examples(paths, tokenizer: Tokenizer, seq_len: int) -> list:
-    """(tokens, loss mask) pairs of at most seq_len tokens from text files and FastChat question files."""
-    return examples_of(read_items(paths, tokenizer, seq_len), tokenizer, seq_len)
-
-
-# Self-distillation's replies are kept beside the head: OUT_DIR/self_distill.jsonl, a header line (what wrote
-# the replies: SELF_DISTILL_FORMAT, the record of what decides them, where the files were) and then one line per
-# example, {"item": i, "replies": [...]} (i counts the data's questions and text pieces in order). It is written
-# as self_distill.partial.jsonl, a line per example as the target finishes it (an interrupted run resumes there),
-# and renamed once complete: a file under the final name is always whole.
-SELF_DISTILL_FILE, SELF_DISTILL_PARTIAL = "self_distill.jsonl", "self_distill.partial.jsonl"
-SELF_DISTILL_FORMAT = 1  # bump when the way the replies are written changes
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
-                   "chat_template.json", "config.json", "generation_config.json")  # config files: the EOS ids
-
-
-def file_identity(path: Path) -> dict:
-    """A large file as a record names it: its name, size and modification time (a file moved elsewhere is
-    the same file; a rewritten one is not)."""
-    stat = path.stat()
-    return {"name": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def self_distill_record(checkpoint_path: Path, data_paths, tokenizer: Tokenizer, seq_len: int, max_new_tokens: int,
-                        sampling: SamplingConfig, precision: str, device: str) -> dict:
-    """Everything that decides the target's replies: the target, its tokenizer files and chat template, the data
-    files, and the settings the replies are written with (seq_len cuts prompts and text pieces)."""
-    folder = Path(checkpoint_path).parent
-    return {"target": file_identity(Path(checkpoint_path)),
-            "tokenizer_files": {n: sha256((folder / n).read_bytes()) for n in TOKENIZER_FILES
-                                if (folder / n).is_file()},
-            "chat_template_sha256": sha256(tokenizer.chat_template.encode("utf-8", "surrogatepass")),
-            "eos_ids": sorted(tokenizer.eos_ids), "data": [file_identity(Path(p)) for p in data_paths],
-            "seq_len": seq_len, "max_new_tokens": max_new_tokens, "sampling": asdict(sampling),
-            "precision": precision, "device": device}
-
-
-def flatten(value, prefix: str = "") -> dict:
-    """{"a": {"b": [1]}} -> {"a.b.0": 1}: the record's leaves, for naming what differs."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
-    if isinstance(value, list):
-        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}.").items()}
-    return {prefix[:-1]: value}
-
-
-def record_differences(theirs: dict, ours: dict) -> list:
-    """What differs between two records, as 'key: theirs -> ours'."""
-    theirs, ours = flatten(theirs), flatten(ours)
-    return [f"{k}: {theirs.get(k, 'none')} -> {ours.get(k, 'none')}" for k in dict.fromkeys([*ours, *theirs])
-            if theirs.get(k) != ours.get(k)]
-
-
-def json_or_none(line: str):
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        return None
-
-
-@dataclass
-class DistilledFile:
-    header: dict
-    replies: dict  # item -> its replies, as far as the file's lines are whole
-
-
-def read_distilled(path: Path, header_only: bool = False) -> Optional[DistilledFile]:
-    """A self-distillation file (None if there is none). Anything else under its name is refused, never
-    replaced. Lines are read up to the first one that is not whole (an interrupted write)."""
-    if not path.exists():
-        return None
-    not_ours = EagletError(f"{path} is not a self-distillation file written by train_draft.py; it is left as it "
-                           "is: move it away, or give another --out_dir")
-    if not path.is_file():
-        raise not_ours
-    replies = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:  # ours are ASCII (json.dumps escapes the rest)
-            header = json_or_none(f.readline())
-            if not (isinstance(header, dict) and "eaglet_self_distill" in header):
-                raise not_ours
-            for line in [] if header_only else f:
-                entry = json_or_none(line) if line.endswith("\n") else None
-                if not (isinstance(entry, dict) and isinstance(entry.get("item"), int) and isinstance(
-                        entry.get("replies"), list) and all(isinstance(r, str) for r in entry["replies"])):
-                    break
-                replies[entry["item"]] = entry["replies"]
-    except OSError as e:
-        raise EagletError(f"cannot read {path}: {e.strerror or e}")
-    return DistilledFile(header, replies)
-
-
-def distilled_mismatch(found: DistilledFile, header: dict, complete: bool) -> str:
-    """Why a self-distillation file cannot serve this run ('' if it can): another format, another record
-    (naming what differs), or, if it must be complete, examples missing."""
-    if found.header.get("eaglet_self_distill") != header["eaglet_self_distill"]:
-        return f"it was written by another version of train_draft.py (format {found.header.get('eaglet_self_distill')})"
-    differ = record_differences(found.header.get("record"), header["record"])
-    if differ:
-        return f"it was written with other inputs or settings ({'; '.join(differ[:3])}" + \
-            (f"; {len(differ) - 3} more)" if len(differ) > 3 else ")")
-    n = header["examples"]
-    if any(not 0 <= i < n for i in found.replies) or (complete and len(found.replies) != n):
-        return f"it holds {len(found.replies)} of the {n} examples"
-    return ""
-
-
-def write_lines(path: Path, lines: list):
-    """Write a file whole or not at all: a temporary file beside it, renamed over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in lines)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def self_distill_paths(checkpoint_path: Path, data_paths, tokenizer: Tokenizer) -> dict:
-    """Where the record's files were, for a reader of the header; not compared (moving a file changes nothing)."""
-    return {"target": str(Path(checkpoint_path).resolve()), "data": [str(Path(p).resolve()) for p in data_paths],
-            "chat_template": tokenizer.chat_template_source}
-
-
-def self_distilled_replies(items: list, out_dir: Path, record: dict, write_replies, log=print,
-                           paths: Optional[dict] = None) -> list:
-    """The target's replies for every item (write_replies: item -> replies): reused from out_dir/self_distill.jsonl
-    if it was written with this record, else written now, resuming self_distill.partial.jsonl if that was."""
-    final, partial = out_dir / SELF_DISTILL_FILE, out_dir / SELF_DISTILL_PARTIAL
-    header = {"eaglet_self_distill": SELF_DISTILL_FORMAT, "record": record, "paths": paths or {},
-              "examples": len(items)}
-    found = read_distilled(final)
-    if found is not None:
-        why = distilled_mismatch(found, header, complete=True)
-        if not why:
-            log(f"self-distillation: reusing the target's replies to all {len(items)} examples from {final}, written "
-                "with this target, tokenizer, data and settings (delete it to have the target write them again)")
-            return [found.replies[i] for i in range(len(items))]
-        log(f"self-distillation: not reusing {final}: {why}; the target writes the replies again")
-    found, done = read_distilled(partial), {}
-    if found is not None:
-        why = distilled_mismatch(found, header, complete=False)
-        if why:
-            log(f"self-distillation: starting over, not resuming {partial}: {why}")
-        else:
-            done = found.replies
-            log(f"self-distillation: resuming at {len(done)}/{len(items)} examples from {partial}")
-    try:
-        write_lines(partial, [json.dumps(header)] + [json.dumps({"item": i, "replies": done[i]}) for i in sorted(done)])
-        with open(partial, "a", encoding="utf-8") as f, \
-                Progress("self-distilling", len(items), "examples", start=len(done), log=log) as progress:
-            for i, item in enumerate(items):
-                if i not in done:
-                    done[i] = write_replies(item)
-                    f.write(json.dumps({"item": i, "replies": done[i]}) + "\n")
-                    f.flush()  # a line per example: an interruption loses at most the one being written
-                    progress.update(len(done), item.source.name)
-            os.fsync(f.fileno())
-        os.replace(partial, final)
-    except OSError as e:
-        raise EagletError(f"cannot write {partial}: {e.strerror or e}")
-    except KeyboardInterrupt:
-        log(f"self-distillation stopped at {len(done)}/{len(items)} examples, kept in {partial}: "
-            "the same command resumes there")
-        raise
-    log(f"self-distillation: wrote {final}; a run with the same target, tokenizer, data and settings reuses it")
-    return [done[i] for i in range(len(items))]
-
-
-def check_distill_files(out_dir: Path):
-    """Before any long work: refuse an out_dir holding, under the self-distillation files' names, files that
-    are not ours."""
-    for name in (SELF_DISTILL_FILE, SELF_DISTILL_PARTIAL):
-        read_distilled(out_dir / name, header_only=True)
-
-
-def batches(examples: list, batch_size: int, seq_len: int, pad_id: int, seed: int):
-    """Endless shuffled batches: tokens [B, seq_len] and loss mask [B, seq_len] (0 on padding).
-    With fewer examples than batch_size, a batch holds each example once."""
-    rng = random.Random(seed)
-    batch_size = min(batch_size, len(examples))
-    while True:
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        for i in range(0, len(order) - batch_size + 1, batch_size):
-            tokens = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
-            mask = torch.zeros(batch_size, seq_len)
-            for row, j in enumerate(order[i:i + batch_size]):
-                t, m = examples[j]
-                tokens[row, :len(t)], mask[row, :len(m)] = torch.tensor(t), torch.tensor(m, dtype=torch.float)
-            yield tokens, mask
 
 
 def causal(n: int, device) -> torch.Tensor:
@@ -476,19 +179,6 @@ def head_loss(head: EagleDraft, target: Transformer, tokens, mask, cfg: TrainCon
     return loss, top1
 
 
-def new_head(target_args: ModelArgs, device, seed: int) -> EagleDraft:
-    torch.manual_seed(seed)
-    head = EagleDraft(target_args, fc_bias=True).to(device)
-    for name, p in head.named_parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    # Start near "the next feature is the current token's feature": the residual carries fc's output.
-    with torch.no_grad():
-        head.fc.weight[:, target_args.dim:] += torch.eye(target_args.dim, device=device)
-        head.fc.bias.zero_()
-    return head
-
-
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -497,45 +187,6 @@ def draft_vocab_size(cfg: TrainConfig, vocab_size: int) -> int:
     if cfg.draft_vocab_size > vocab_size:
         raise EagletError(f"--draft_vocab_size {cfg.draft_vocab_size} exceeds the target's vocabulary ({vocab_size})")
     return cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
-
-
-def draft_vocabulary(examples: list, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` target tokens most frequent where the loss counts (ties: lower id first), as sorted ids."""
-    tokens = torch.tensor([t for example, mask in examples for t, m in zip(example, mask) if m], dtype=torch.long)
-    counts = torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
-    return counts.argsort(descending=True, stable=True)[:size].sort().values
-
-
-def eagle3_config(args: ModelArgs, draft_vocab: int, feature_layers=None) -> dict:
-    """The head's config.json: the target's shapes, one layer, its draft vocabulary; feature layers other
-    than the default 2, L//2, L-3 named as the published heads name them (id k = the output of layer k)."""
-    config = {**llama_head_config(args), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
-    if feature_layers:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in feature_layers]}
-    return config
-
-
-def new_eagle3_head(target: Transformer, draft_ids: torch.Tensor, config: dict, seed: int) -> Eagle3Draft:
-    """A fresh EAGLE-3 head: random layer; lm_head and norm start as the target's own (rows of the draft
-    vocabulary), and fc passes the deepest feature through, so the head starts from the target's logit lens."""
-    device, dim = target.output.weight.device, target.args.dim
-    torch.manual_seed(seed)
-    feature_layers = eagle3_feature_layers(config, target.args.n_layer, "the EAGLE-3 head")
-    head = Eagle3Draft(head_args(config), dim, len(draft_ids), own_embedding=False,
-                       n_features=len(feature_layers)).to(device)
-    for p in head.parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
-    head.feature_layers = feature_layers
-    deepest = head.feature_layers.index(max(head.feature_layers))
-    with torch.no_grad():
-        lm_head = target.output  # an int8 lm_head (a quantized target) starts the head dequantized
-        weight = lm_head.dequantize() if isinstance(lm_head, Int8Linear) else lm_head.weight
-        head.lm_head.weight.copy_(weight[draft_ids.to(device)])
-        head.norm.weight.copy_(target.norm.weight)
-        head.fc.weight[:, deepest * dim:(deepest + 1) * dim] += torch.eye(dim, device=device)
-    head.draft_to_target = draft_ids.to(device)
-    return head
 
 
 class UnrollCache:
@@ -932,130 +583,6 @@ def recent_means(recent, steps: str = "unrolled steps") -> str:
     label = "top-1 agreement" if len(top1) == 1 else f"top-1 agreement at {steps} 1-{len(top1)}"
     over = f"means of the last {len(recent)} steps" if len(recent) > 1 else "this step's batch"
     return f"loss {loss:.4f}, {label} {' '.join(f'{a:.3f}' for a in top1)} ({over})"
-
-
-def target_shape(target: Transformer) -> dict:
-    return {k: v for k, v in asdict(target.args).items() if k != "extra"}
-
-
-def head_settings(head: DraftHead) -> dict:
-    """What a train_state.pt must agree on besides the target: the head's kind, features and draft vocabulary."""
-    if isinstance(head, EagleDraft):
-        return {"head": "eagle"}
-    if isinstance(head, DFlashDraft):
-        return {"head": head_name(head).lower(), "feature_layers": list(head.feature_layers),
-                "block_size": head.block_size, "mask_token_id": head.mask_token_id, "draft_layers": head.args.n_layer,
-                **({"markov_rank": head.markov_head.markov_w1.weight.shape[1]} if isinstance(head, DSparkDraft) else {}),
-                **({"selector_top_k": head.candidate_selector.top_k} if isinstance(head, DFlash2Draft) else {}),
-                **({"xpress_rank": head.refiner_head.mix_l.shape[0]} if isinstance(head, XPressDraft) else {})}
-    return {"head": "eagle3", "feature_layers": list(head.feature_layers),
-            "draft_vocab": head.draft_to_target.tolist()}
-
-
-def resume_from(state_path: Path, head: DraftHead, optimizer, target: Transformer) -> int:
-    """Load a train_state.pt written for this target; returns the step it reached."""
-    try:
-        state = torch.load(state_path, map_location=target.output.weight.device, weights_only=True)
-        step = int(state["step"])
-    except Exception as e:
-        raise EagletError(f"cannot resume from {state_path}: {(str(e).strip().splitlines() or [repr(e)])[0]} "
-                          "(--no_resume starts over)")
-    theirs, ours = state.get("target", target_shape(target)), target_shape(target)
-    differ = [f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
-    if differ:
-        raise EagletError(f"{state_path} was written while training a head for another target ({', '.join(differ)}); "
-                          "give another --out_dir, or --no_resume to start over")
-    theirs, ours = state.get("kind", {"head": "eagle"}), head_settings(head)
-    differ = [k if k == "draft_vocab" else f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
-    if differ:
-        raise EagletError(f"{state_path} was written while training another head ({', '.join(differ)} differ); "
-                          "give another --out_dir, or --no_resume to start over")
-    try:
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise EagletError(f"{state_path} does not fit this target's head: {mismatch_detail(e)}")
-    return step
-
-
-WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".gguf")
-
-
-def check_out_dir(out_dir: Path):
-    """Refuse an out_dir that holds a checkpoint other than a head being trained there (with its
-    train_state.pt): the head's config.json and model.safetensors would overwrite it."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise EagletError(f"--out_dir {out_dir} is a file, not a folder")
-    if not out_dir.is_dir():
-        return
-    found = sorted(f.name for f in out_dir.iterdir() if f.name == "config.json" or f.suffix in WEIGHT_SUFFIXES)
-    ours = (out_dir / "train_state.pt").is_file() and (not (out_dir / "config.json").is_file() or
-                                                       read_config(out_dir).get("num_hidden_layers") == 1 or
-                                                       is_dflash_config(read_config(out_dir)))
-    if found and not ours:
-        raise EagletError(f"--out_dir {out_dir} already holds a checkpoint ({', '.join(found[:4])}) that is not a "
-                          "head being trained there; writing the head would overwrite it: choose another folder")
-
-
-def prepare_out_dir(out_dir: Path):
-    """Make out_dir and check that the head can be written there, before loading and self-distilling."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise EagletError(f"--out_dir {out_dir} cannot be made: {e.strerror or e}")
-    check_writable(out_dir / "train_state.pt", "--out_dir")
-
-
-def llama_head_config(args: ModelArgs) -> dict:
-    """The config.json both kinds of head share: a one-layer LLaMA of the target's shapes."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-            "num_attention_heads": args.n_head, "num_key_value_heads": args.n_local_heads,
-            "head_dim": args.head_dim, "intermediate_size": args.intermediate_size, "num_hidden_layers": 1,
-            "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_base,
-            "rope_scaling": args.rope_scaling, "max_position_embeddings": args.max_position_embeddings,
-            "hidden_act": "silu", "torch_dtype": "float32",
-            # the target's biases, which a new head copies (a Qwen2 target: q/k/v only, not o)
-            "attention_bias": args.o_bias, "qkv_bias": args.qkv_bias, "mlp_bias": args.mlp_bias}
-
-
-def save_head(head: DraftHead, config: dict, out_dir: Path, target: Optional[Transformer] = None):
-    """config.json + model.safetensors under the published key names of the head's kind."""
-    args, sd = head.args, {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
-    if isinstance(head, EagleDraft):
-        weights = {"fc.weight": sd["fc.weight"], "fc.bias": sd["fc.bias"], **export_layer(sd, "layer.", "layers.0.", args)}
-    elif isinstance(head, DFlashDraft):
-        weights = {k: sd[k] for k in ("fc.weight", "hidden_norm.weight", "norm.weight")}
-        for i in range(args.n_layer):
-            weights.update(export_layer(sd, f"layers.{i}.", f"layers.{i}.", args))
-        if isinstance(head, DSparkDraft):  # DeepSpec's files carry frozen copies of the target's tables too
-            weights.update({k: v for k, v in sd.items() if k.startswith(("markov_head.", "confidence_head."))})
-            weights.update({"embed_tokens.weight": target.tok_embeddings.weight.detach().float().cpu(),
-                            "lm_head.weight": lm_head_table(target)})
-        if isinstance(head, (DFlash2Draft, XPressDraft)):  # speculators' names are the modules' own
-            weights.update({k: v for k, v in sd.items() if k.startswith(("candidate_selector.", "refiner_head."))
-                            or "_conv." in k})
-    else:
-        draft_ids = head.draft_to_target.cpu()
-        t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
-        t2d[draft_ids] = True
-        weights = {"fc.weight": sd["fc.weight"], "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
-                   "midlayer.input_layernorm.weight": sd["layer.embed_norm.weight"],
-                   "midlayer.hidden_norm.weight": sd["layer.hidden_norm.weight"],
-                   **export_layer(sd, "layer.", "midlayer.", args),
-                   "d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d}  # target id = draft id + d2t
-    save_file({k: t.contiguous() for k, t in weights.items()}, str(out_dir / "model.safetensors"))
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600: others could not read it
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-
-
-@torch.no_grad()
-def lm_head_table(target: Transformer) -> torch.Tensor:
-    """The target's lm_head as a float [vocab, dim] table, whatever its format: its logits of the unit vectors."""
-    eye = torch.eye(target.args.dim, device=target.tok_embeddings.weight.device,
-                    dtype=target.tok_embeddings.weight.dtype)
-    return torch.cat([target.logits(rows) for rows in eye.split(512)]).T.float().cpu().contiguous()
 
 
 def main(argv=None):

@@ -41,7 +41,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from convert_hf_checkpoint import AWQ_ORDER, linear_shapes  # noqa: E402
+from convert_hub_int4 import AWQ_ORDER, linear_shapes  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 

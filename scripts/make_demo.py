@@ -31,7 +31,8 @@ from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from train_draft import TrainConfig, batches, causal, lr_at, train  # noqa: E402
+from train_data import batches  # noqa: E402
+from train_draft import TrainConfig, causal, lr_at, train  # noqa: E402
 
 # Modules kept out of every training step: the held-out code that tau is reported on.
 HELD_OUT = ("json", "csv", "textwrap", "fractions", "statistics", "heapq", "bisect", "colorsys", "shlex", "string")

@@ -55,9 +55,9 @@ def test_hf_twin_reproduces_our_logits(checkpoints, kind):
 
 
 def test_hf_twin_refuses_a_weight_left_out_of_the_export(checkpoints, monkeypatch):
-    import convert_hf_checkpoint
-    export_layer = convert_hf_checkpoint.export_layer
-    monkeypatch.setattr(convert_hf_checkpoint, "export_layer", lambda *a: {
+    import convert_common
+    export_layer = convert_common.export_layer
+    monkeypatch.setattr(convert_common, "export_layer", lambda *a: {
         k: v for k, v in export_layer(*a).items() if not k.endswith("layers.1.mlp.up_proj.bias")})
     target = load_target(checkpoints("llama_bias")[0] / "model.pth", "cpu", "fp32")
     with pytest.raises(EagletError, match=r"missing \['model.layers.1.mlp.up_proj.bias'\], unexpected \[\]"):

@@ -17,7 +17,9 @@ from decode import SamplingConfig, generate
 import model as model_module
 import quantize
 from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, write_tokenizer
-from convert_hf_checkpoint import convert, export_layer, main as convert_main
+from convert_common import export_layer
+from convert_hf_checkpoint import convert
+from convert_hf_checkpoint import main as convert_main
 from load import load_draft, load_target
 from model import QUANT_KEY, ModelArgs, read_config
 from test_quantize import dequantize, prompts

@@ -13,7 +13,8 @@ import decode
 import model as model_module
 import quantize
 from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
-from convert_hf_checkpoint import convert, export_layer
+from convert_common import export_layer
+from convert_hf_checkpoint import convert
 from decode import SamplingConfig, TreeConfig
 from load import load_draft, load_target
 from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears, weight_bytes

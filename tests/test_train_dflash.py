@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from tokenizer import Tokenizer
 import train_draft
+import train_data
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from decode import catch_up
@@ -80,7 +81,7 @@ def train_a_head(checkpoints, tmp_path, kind: str, **settings):
     untrained, _, _ = train_draft.make_head(kind, target, examples, cfg)
     untrained.setup_rope(64)
     trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind=kind, log=lambda *_: None)
-    return target, cfg, untrained, trained, next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    return target, cfg, untrained, trained, next(train_data.batches(examples, 16, cfg.seq_len, 0, seed=5))
 
 
 def losses(target, cfg, heads, batch) -> list:

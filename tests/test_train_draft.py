@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from decode import SamplingConfig, generate
 from tokenizer import Tokenizer
 import train_draft
+import train_data
+import train_heads
 from conftest import expect_error
 from convert_hf_checkpoint import convert
 from load import load_draft, load_target
@@ -38,15 +40,15 @@ def test_training_lowers_the_loss_and_tools_accept_the_head(checkpoints, tmp_pat
     target = load_target(target_dir / "model.pth", "cpu", "fp32")
     tokenizer = Tokenizer(target_dir)
     cfg = train_draft.TrainConfig(steps=60, batch_size=4, seq_len=48, lr=3e-3, warmup=5, noise=0.0)
-    examples = train_draft.load_examples([text], tokenizer, cfg.seq_len)
-    tokens, mask = next(train_draft.batches(examples, 8, cfg.seq_len, 0, seed=123))
+    examples = train_data.load_examples([text], tokenizer, cfg.seq_len)
+    tokens, mask = next(train_data.batches(examples, 8, cfg.seq_len, 0, seed=123))
     target.setup_rope(cfg.seq_len)
 
     def loss_of(head):
         head.setup_rope(cfg.seq_len)
         with torch.no_grad():
             return train_draft.head_loss(head, target, tokens, mask, cfg)
-    before, top1_before = loss_of(train_draft.new_head(target.args, torch.device("cpu"), cfg.seed))
+    before, top1_before = loss_of(train_heads.new_head(target.args, torch.device("cpu"), cfg.seed))
     head = train_draft.train(target, examples, tmp_path / "head", cfg, log=lambda *_: None)
     after, top1_after = loss_of(head)
     print(f"loss {before:.4f} -> {after:.4f}, top-1 agreement {top1_before:.3f} -> {top1_after:.3f}")
@@ -114,7 +116,7 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
 def test_chat_examples_mask_only_the_assistant(checkpoints):
     target_dir, _ = checkpoints("llama2")
     tokenizer = Tokenizer(target_dir)
-    tokens, mask = train_draft.chat_example(tokenizer, ["w1 w2", "w3"], ["w10 w11", "w12"])
+    tokens, mask = train_data.chat_example(tokenizer, ["w1 w2", "w3"], ["w10 w11", "w12"])
     masked = [t for t, m in zip(tokens, mask) if m]
     assert masked == tokenizer.encode("w10 w11", bos=False) + [2] + tokenizer.encode("w12", bos=False) + [2]
     assert len(tokens) == len(mask)
@@ -136,7 +138,7 @@ def test_a_head_trained_on_a_biased_target_loads_back(checkpoints, tmp_path):
         target_dir, _ = checkpoints(kind)
         target = load_target(target_dir / "model.pth", "cpu", "fp32")
         cfg = train_draft.TrainConfig(steps=2, batch_size=2, seq_len=16, warmup=1)
-        examples = train_draft.load_examples([corpus(tmp_path / "c.txt", 200)], Tokenizer(target_dir), 16)
+        examples = train_data.load_examples([corpus(tmp_path / "c.txt", 200)], Tokenizer(target_dir), 16)
         train_draft.train(target, examples, tmp_path / kind, cfg, log=lambda *_: None)
         convert(tmp_path / kind, log=lambda *_: None)
         model = load_target(target_dir / "model.pth", "cpu", "fp32", 64)
@@ -146,7 +148,7 @@ def test_a_head_trained_on_a_biased_target_loads_back(checkpoints, tmp_path):
 
 
 def distill_items(n):
-    return [train_draft.DataItem(Path("q.jsonl"), turns=[f"w{i}"]) for i in range(n)]
+    return [train_data.DataItem(Path("q.jsonl"), turns=[f"w{i}"]) for i in range(n)]
 
 
 def test_an_interrupted_self_distillation_resumes_where_it_stopped(tmp_path):
@@ -160,7 +162,7 @@ def test_an_interrupted_self_distillation_resumes_where_it_stopped(tmp_path):
             raise KeyboardInterrupt
         return [f"reply to {item.turns[0]}", "second turn"]
     with pytest.raises(KeyboardInterrupt):
-        train_draft.self_distilled_replies(items, tmp_path, {"max_new_tokens": 6}, lambda i: replies(i, stop_at=5),
+        train_data.self_distilled_replies(items, tmp_path, {"max_new_tokens": 6}, lambda i: replies(i, stop_at=5),
                                            log=lines.append)
     partial, final = tmp_path / "self_distill.partial.jsonl", tmp_path / "self_distill.jsonl"
     assert not final.exists() and len(partial.read_text().splitlines()) == 1 + 4  # the header and 4 examples
@@ -169,7 +171,7 @@ def test_an_interrupted_self_distillation_resumes_where_it_stopped(tmp_path):
         f.write('{"item": 4, "replies": ["cut sh')  # a line the interruption cut
 
     written.clear()
-    got = train_draft.self_distilled_replies(items, tmp_path, {"max_new_tokens": 6}, replies, log=lines.append)
+    got = train_data.self_distilled_replies(items, tmp_path, {"max_new_tokens": 6}, replies, log=lines.append)
     assert written == [f"w{i}" for i in range(4, 10)]  # only the rest
     assert got == [[f"reply to w{i}", "second turn"] for i in range(10)]
     assert f"self-distillation: resuming at 4/10 examples from {partial}" in lines
@@ -178,10 +180,10 @@ def test_an_interrupted_self_distillation_resumes_where_it_stopped(tmp_path):
         {"item": i, "replies": r} for i, r in enumerate(got)]
 
     with pytest.raises(KeyboardInterrupt):  # another record: the partial file is not resumed
-        train_draft.self_distilled_replies(items, tmp_path, {"max_new_tokens": 7}, lambda i: replies(i, stop_at=13),
+        train_data.self_distilled_replies(items, tmp_path, {"max_new_tokens": 7}, lambda i: replies(i, stop_at=13),
                                            log=lines.append)
     written.clear()
-    train_draft.self_distilled_replies(items, tmp_path, {"max_new_tokens": 8}, replies, log=lines.append)
+    train_data.self_distilled_replies(items, tmp_path, {"max_new_tokens": 8}, replies, log=lines.append)
     assert len(written) == 10 and any(line.startswith(f"self-distillation: starting over, not resuming {partial}: "
                                                       "it was written with other inputs or settings "
                                                       "(max_new_tokens: 7 -> 8)") for line in lines)
@@ -189,10 +191,10 @@ def test_an_interrupted_self_distillation_resumes_where_it_stopped(tmp_path):
 
 def test_a_damaged_or_incomplete_file_is_written_again(tmp_path):
     items, lines = distill_items(3), []
-    train_draft.self_distilled_replies(items, tmp_path, {}, lambda item: ["a"], log=lines.append)
+    train_data.self_distilled_replies(items, tmp_path, {}, lambda item: ["a"], log=lines.append)
     final = tmp_path / "self_distill.jsonl"
     final.write_text("\n".join(final.read_text().splitlines()[:-1]) + "\n")  # the last example lost
-    got = train_draft.self_distilled_replies(items, tmp_path, {}, lambda item: ["b"], log=lines.append)
+    got = train_data.self_distilled_replies(items, tmp_path, {}, lambda item: ["b"], log=lines.append)
     assert f"self-distillation: not reusing {final}: it holds 2 of the 3 examples; the target writes the replies " \
            "again" in lines
     assert got == [["b"]] * 3
@@ -226,13 +228,13 @@ def test_the_record_names_every_input_that_changes_the_replies(checkpoints, tmp_
         args = {"seq_len": 64, "max_new_tokens": 6, "sampling": SamplingConfig(), "precision": "fp32", "device": "cpu",
                 **settings}
         tokenizer = Tokenizer(folder)
-        return train_draft.self_distill_record(folder / "model.pth", [data], tokenizer, **args)
+        return train_data.self_distill_record(folder / "model.pth", [data], tokenizer, **args)
 
     def changed(edit=None, **settings):
         before = record()
         if edit:
             edit()
-        return [d.split(":")[0] for d in train_draft.record_differences(before, record(**settings))]
+        return [d.split(":")[0] for d in train_data.record_differences(before, record(**settings))]
     assert changed() == []
     assert changed(seq_len=32) == ["seq_len"] and changed(precision="bf16") == ["precision"]
     assert changed(sampling=SamplingConfig(temperature=1.0)) == ["sampling.temperature"]

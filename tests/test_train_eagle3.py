@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 from decode import SamplingConfig, TreeConfig, catch_up, generate
 from tokenizer import Tokenizer
 import train_draft
+import train_data
+import train_heads
 from conftest import cli_plain_and_speculative, expect_error
 from convert_hf_checkpoint import convert
 from draft import Eagle3Draft, build_tree
@@ -23,9 +25,9 @@ PUBLISHED_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | 
 
 def fresh_head(target, draft_vocab=40, seed=0, std=0.3):
     """An untrained head with a reduced draft vocabulary, its layer weights large enough that every input matters."""
-    config = train_draft.eagle3_config(target.args, draft_vocab)
+    config = train_heads.eagle3_config(target.args, draft_vocab)
     draft_ids = torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-    head = train_draft.new_eagle3_head(target, draft_ids.sort().values, config, seed)
+    head = train_heads.new_eagle3_head(target, draft_ids.sort().values, config, seed)
     with torch.no_grad():
         for p in head.layer.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * std)
@@ -118,7 +120,7 @@ def test_training_lowers_the_loss_at_every_step_and_raises_tau(checkpoints, tmp_
     untrained, _, _ = train_draft.make_head("eagle3", target, examples, cfg)
     untrained.setup_rope(cfg.seq_len + cfg.unroll_steps)
     trained = train_draft.train(target, examples, tmp_path / "head", cfg, kind="eagle3", log=lambda *_: None)
-    tokens, mask = next(train_draft.batches(examples, 16, cfg.seq_len, 0, seed=5))
+    tokens, mask = next(train_data.batches(examples, 16, cfg.seq_len, 0, seed=5))
     with torch.no_grad():
         (before, top1_before), (after, top1_after) = (
             train_draft.eagle3_step_losses(head, target, tokens, mask, cfg.unroll_steps) for head in (untrained, trained))

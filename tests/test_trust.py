@@ -15,6 +15,7 @@ import generate
 import decode
 from quantize import weight_bytes
 import train_draft
+import train_data
 from conftest import (HANG_S, ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
                       read_generation, scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
@@ -54,7 +55,7 @@ def test_fewer_examples_than_batch_size_trains_instead_of_hanging(checkpoints, t
     bounded(lambda: train_draft.main(argv))
     assert "each batch holds all of them" in capsys.readouterr().out
     assert (tmp_path / "h" / "model.safetensors").is_file()
-    tokens, mask = bounded(lambda: next(train_draft.batches([([1, 2, 3], [1, 1, 1])], 8, 4, 0, seed=0)))
+    tokens, mask = bounded(lambda: next(train_data.batches([([1, 2, 3], [1, 1, 1])], 8, 4, 0, seed=0)))
     assert tokens.shape == (1, 4) and mask.sum() == 3
 
 
