@@ -140,8 +140,8 @@ MUTANTS = [
       "torch.argmax(probs * torch.empty_like(probs).exponential_(1), dim=-1)"),
     # rerank and the tree
     M("rerank: keeps the worst nodes", "draft_tree.py",
-      "torch.sort(pool_scores, dim=-1, descending=True, stable=True)",
-      "torch.sort(pool_scores, dim=-1, descending=False, stable=True)"),
+      "torch.sort(scores, dim=-1, descending=True, stable=True)",
+      "torch.sort(scores, dim=-1, descending=False, stable=True)"),
     M("rerank: the best candidate dropped, its children kept", "draft_tree.py",
       "order[..., :total_tokens - 1].sort(dim=-1).values", "order[..., 1:total_tokens].sort(dim=-1).values"),
     M("rerank: ancestors two generations short", "draft_tree.py",
