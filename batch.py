@@ -10,8 +10,8 @@ from torch import Tensor
 from draft import DraftHead
 from draft_tree import TreeConfig
 from attention import causal_mask
-from decode import (GenerationResult, SamplingConfig, catch_up, check_agreed, check_fits, decode_one_token,
-                    device_sync, keep_new, one_prompt, prefill_chunk_of, sample, speculative_cycle)
+from decode import (GenerationResult, catch_up, check_agreed, check_fits, decode_one_token, device_sync, keep_new, one_prompt, prefill_chunk_of, speculative_cycle)
+from sampling import SamplingConfig, sample
 from model import EagletError, Transformer
 
 

@@ -150,8 +150,9 @@ from chat import write_output  # noqa: E402
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, PEagleDraft, XPressDraft  # noqa: E402
 from draft import DraftHead, Eagle3Flags, EagleDraft, head_name as draft_kind  # noqa: E402
 from head_formats import dflash_layer_ids  # noqa: E402
-from decode import (SamplingConfig, TreeConfig, catch_up, commit, decode_one_token, device_sync, generate,  # noqa: E402
+from decode import (TreeConfig, catch_up, commit, decode_one_token, device_sync, generate,  # noqa: E402
                     keep_new, run_calls, speculative_cycle, verify)
+from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_settings, compile_step  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from quantize import weight_bytes, weights_format  # noqa: E402

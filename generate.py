@@ -242,8 +242,8 @@ if __name__ == "__main__":
     parse_args()  # --help and usage mistakes answer here, before the seconds torch takes to import
 
 from chat import encode_prompts, run_batches, run_interactive, run_once  # noqa: E402
-from decode import (GenerationResult, SamplingConfig, TreeConfig, decode_one_token, generate,  # noqa: E402
-                    speculative_cycle)
+from decode import GenerationResult, TreeConfig, decode_one_token, generate, speculative_cycle  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_settings, compile_step  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from step_aside import StepAside  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import EagletError
-from decode import SamplingConfig, logits_to_probs, sample, sample_from_probs
+from sampling import SamplingConfig, logits_to_probs, sample, sample_from_probs
 from reasoning import ANSWERING, MAY_THINK, THINK_END, THINK_START, THINKING
 from tokenizer import Tokenizer
 

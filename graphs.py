@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from draft_tree import TreeConfig
-from decode import SamplingConfig, SamplingInputs, decode_one_token, speculative_cycle
+from decode import decode_one_token, speculative_cycle
+from sampling import SamplingConfig, SamplingInputs
 from model import Transformer
 
 

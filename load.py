@@ -19,7 +19,8 @@ import torch.distributed as dist
 from chat import encode_prompts
 from cli import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ABOVE, PRECISION_NAMES, torchrun_rank
 from draft_tree import STATIC_CHOICES, StaticTree
-from decode import SamplingConfig, TreeConfig, prefill_chunk_of
+from decode import TreeConfig, prefill_chunk_of
+from sampling import SamplingConfig
 from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab
 from checkpoint import EagletError, converted_file, read_config

@@ -9,8 +9,7 @@ listed in `feature_layers`, concatenated (EAGLE-3).
 
 Imports attention.py (the attention kernels and masks), checkpoint.py (reading config.json and weight files,
 with the checks of what a user gives) and torch. A file of quantized weights loads into quantize.py's Linears,
-imported only then (quantize_module): a float model needs nothing of it. `from model import Int8Linear` and
-`from model import load_state_dict` still work.
+imported only then (quantize_module): a float model needs nothing of it.
 """
 import math
 from dataclasses import dataclass, field
@@ -24,9 +23,7 @@ from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
 from attention import attend
-from attention import attention_mask, causal_mask, decode_mask  # noqa: F401  (their old import path)
 from checkpoint import QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config
-from checkpoint import OPTIONAL_SIZES, REQUIRED_SIZES  # noqa: F401  (their old import path)
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -498,15 +495,3 @@ def quantize_module(state_dict: dict):
         return quantize
     return None
 
-
-# The quantized Linears and their loading moved to quantize.py; their old import path still works
-# (from model import Int8Linear), importing quantize.py only when one of them is asked for.
-MOVED_TO_QUANTIZE = ("Int8Linear", "Int4Linear", "INT4_KERNELS", "QUANT_FORMAT_VERSION", "use_quantized_linears",
-                     "pack_quantized", "pop_quantization")
-
-
-def __getattr__(name):
-    if name in MOVED_TO_QUANTIZE:
-        import quantize
-        return getattr(quantize, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from decode import MAX_TOP_LOGPROBS, SamplingConfig
+from sampling import MAX_TOP_LOGPROBS, SamplingConfig
 
 MAX_CHOICES = 16  # prompts x n of one request
 # Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --

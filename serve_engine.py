@@ -15,7 +15,8 @@ import torch
 from batch import generate_batch
 from chat import TextStreamer, warm_up
 from checkpoint import converted_file
-from decode import SamplingConfig, decode_one_token, generate, speculative_cycle
+from decode import decode_one_token, generate, speculative_cycle
+from sampling import SamplingConfig
 from graphs import compile_settings, compile_step
 from load import describe, load, short_path
 from step_aside import StepAside

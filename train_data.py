@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from cli import Progress
-from decode import SamplingConfig
+from sampling import SamplingConfig
 from checkpoint import EagletError
 from tokenizer import Tokenizer
 

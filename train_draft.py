@@ -144,7 +144,8 @@ import torch.nn.functional as F  # noqa: E402
 from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft  # noqa: E402
 from draft import DraftHead, Eagle3Draft, EagleDraft  # noqa: E402
 from head_formats import dflash_layer_ids, eagle3_feature_layers, head_args  # noqa: E402
-from decode import SamplingConfig, generate  # noqa: E402
+from decode import generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from load import load_target, pick_device  # noqa: E402
 from checkpoint import EagletError, converted_file  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402

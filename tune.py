@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from cli import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, grid_text, torchrun_rank
-from decode import SamplingConfig, TreeConfig, device_sync, draft_start, generate, prefill, sample, speculative_cycle
+from decode import TreeConfig, device_sync, draft_start, generate, prefill, speculative_cycle
+from sampling import SamplingConfig, sample
 from draft import DraftHead
 from attention import causal_mask
 from model import EagletError, Transformer, context_limit

@@ -16,7 +16,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from decode import SamplingConfig, decode_one_token  # noqa: E402
+from decode import decode_one_token  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 CONFIG = dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

@@ -40,7 +40,8 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 from load import PRECISIONS  # noqa: E402
-from decode import SamplingConfig, decode_one_token  # noqa: E402
+from decode import decode_one_token  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_step  # noqa: E402
 from quantize import quantize_state_dict, weights_format  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402

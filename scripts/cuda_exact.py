@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
 from batch import generate_batch  # noqa: E402
-from decode import SamplingConfig, TreeConfig, decode_one_token, generate, prefill, speculative_cycle  # noqa: E402
+from decode import TreeConfig, decode_one_token, generate, prefill, speculative_cycle  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_step  # noqa: E402
 from load import load_draft, load_target, pick_device  # noqa: E402
 import graphs  # noqa: E402

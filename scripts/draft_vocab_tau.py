@@ -36,7 +36,8 @@ def main(argv=None):
     p.add_argument("--tree", default="5/3/16", help="depth/top-k/total_tokens")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=64)
     args = p.parse_args(argv)
-    from decode import SamplingConfig, TreeConfig, generate
+    from decode import TreeConfig, generate
+    from sampling import SamplingConfig
     from load import load_draft, load_target
     from head_formats import default_draft_vocab
     from model import EagletError

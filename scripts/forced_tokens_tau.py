@@ -81,6 +81,7 @@ def measure(args, target, draft, tokenizer, encode, prefills: list) -> tuple:
     """Each schema x prompt x forced_min, greedy with the head: totals by forced_min, and whether every forced_min
     gave the same tokens."""
     import decode
+    import sampling
     from grammar import Constraint, grammar_of
     totals = {m: dict(tokens=0, cycles=0, emitted=0, prefills=0, host=0.0, seconds=0.0, forced=0) for m in args.forced_min}
     same = True
@@ -93,7 +94,7 @@ def measure(args, target, draft, tokenizer, encode, prefills: list) -> tuple:
                 for name in ("take", "forced", "pick"):
                     setattr(constraint, name, timed(getattr(constraint, name), host))
                 prefills[0] = 0
-                result = decode.generate(target, encode(prompt), args.max_new_tokens, decode.SamplingConfig(),
+                result = decode.generate(target, encode(prompt), args.max_new_tokens, sampling.SamplingConfig(),
                                          tokenizer.eos_ids, draft=draft, constraint=constraint)
                 t = totals[forced_min]
                 t["tokens"] += len(result.tokens)

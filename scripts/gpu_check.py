@@ -48,7 +48,8 @@ import bench  # noqa: E402
 import cuda_exact  # noqa: E402
 import decode  # noqa: E402
 import generate  # noqa: E402
-from decode import SamplingConfig, TreeConfig, decode_one_token, speculative_cycle  # noqa: E402
+from decode import TreeConfig, decode_one_token, speculative_cycle  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_settings, compile_step  # noqa: E402
 from load import PRECISIONS, check_writable, pick_device  # noqa: E402
 from quantize import (GROUPSIZES, pack_quantized, quantize_state_dict, use_quantized_linears, weight_bytes,  # noqa: E402

@@ -108,7 +108,8 @@ def run_one(args, case: str, n: int, chunk: int) -> dict:
         kv = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
         return {"case": case, "n": n, "chunk": None, "ttft_s": ttft, "prefill_tps": n / ttft,
                 "peak_gb": (memory_kb("VmHWM") - base_kb) / 1e6, "weights_kv_gb": (weights + kv) / 1e9}
-    from decode import SamplingConfig, TreeConfig, generate
+    from decode import TreeConfig, generate
+    from sampling import SamplingConfig
     from step_aside import StepAside
     from load import load_draft, load_target
     from tokenizer import Tokenizer
@@ -145,7 +146,8 @@ def run_shapes(args, lengths: list, cases: list, chunk: int):
     with a cache for the longest prompt, so every length runs the same compiled graphs. Yields each case's row."""
     import torch
     from bench import SHAPES, random_models
-    from decode import SamplingConfig, TreeConfig, decode_one_token, device_sync, generate, speculative_cycle
+    from decode import TreeConfig, decode_one_token, device_sync, generate, speculative_cycle
+    from sampling import SamplingConfig
     from graphs import compile_settings, compile_step
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32

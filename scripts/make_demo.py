@@ -27,7 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from convert_hf_checkpoint import convert  # noqa: E402
 from cli import cli_parser, int_flag  # noqa: E402
-from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
+from decode import TreeConfig, generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from model import EagletError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402

@@ -41,7 +41,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
+from decode import TreeConfig, generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from make_demo import held_out_prompts  # noqa: E402
 from model import EagletError  # noqa: E402

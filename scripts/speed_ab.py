@@ -84,7 +84,8 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
     import bench
     import decode
     import graphs as step_graphs  # (graphs: a row's name for them, below)
-    from decode import SamplingConfig, TreeConfig, generate
+    from decode import TreeConfig, generate
+    from sampling import SamplingConfig
     from cli import DEFAULT_DRAFT_VOCAB
     from head_formats import default_draft_vocab
     speculative, graphs, vocab, split = ROWS[name]
@@ -129,7 +130,8 @@ def timeline(target, prompt, fn, kwargs, path: Path) -> dict:
     """A profiled run of 48 tokens: the device's busy time (sum of its kernels, overlaps not merged) against wall."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from decode import SamplingConfig, generate
+    from decode import generate
+    from sampling import SamplingConfig
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         result = generate(target, prompt, 48, SamplingConfig(), step_fn=fn, **kwargs)

@@ -323,7 +323,8 @@ def check_compiled_cycle(model, draft, tree, n_tokens=30):
     """The compiled speculative cycle decodes as eager (tokens and accepted lengths) over two prompts, in one
     graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out)."""
     import decode
-    from decode import SamplingConfig, speculative_cycle
+    from decode import speculative_cycle
+    from sampling import SamplingConfig
     from graphs import compile_step
     from torch._dynamo.utils import counters
     torch._dynamo.reset()

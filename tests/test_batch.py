@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_close_in_scale, expect_error
-from decode import SamplingConfig
+from sampling import SamplingConfig
 from load import load_target
 from attention import attention_mask, causal_mask
 

@@ -19,7 +19,8 @@ from decode import speculative_cycle
 from conftest import (HANG_S, ROOT, SHARED, expect_error, head_config, make_agreeing_eagle3_pair, make_agreeing_pair,
                       random_head_weights, write_eagle_head)
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig, decode_one_token
+from decode import TreeConfig, decode_one_token
+from sampling import SamplingConfig
 from graphs import compile_step
 from load import load_draft, load_target
 from attention import causal_mask

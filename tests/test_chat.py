@@ -8,7 +8,7 @@ import pytest
 import chat
 import generate
 import decode
-from decode import SamplingConfig
+from sampling import SamplingConfig
 from tokenizer import Tokenizer
 from conftest import expect_error, run_cli, scripted_input
 

@@ -12,7 +12,8 @@ from torch._inductor import metrics
 import bench
 from draft import EagleDraft
 from batch import generate_batch
-from decode import SamplingConfig, TreeConfig, decode_one_token, generate, speculative_cycle
+from decode import TreeConfig, decode_one_token, generate, speculative_cycle
+from sampling import SamplingConfig
 from graphs import compile_step
 import model
 from model import KVCache, ModelArgs, Transformer

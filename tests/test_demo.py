@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import ROOT, read_generation
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from tokenizer import Tokenizer
 

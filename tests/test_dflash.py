@@ -14,7 +14,8 @@ from batch import generate_batch
 from checkpoint import EagletError
 from conftest import STAT_SAMPLES, check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from block_draft import DFlashDraft
 from draft_tree import grow_lattice
 from head_formats import dflash_layer_ids

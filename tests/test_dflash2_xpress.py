@@ -10,7 +10,8 @@ import torch
 
 import decode
 from batch import generate_batch
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from block_draft import DFlash2Draft, XPressDraft
 from conftest import check_compiled_cycle, expect_error
 from convert_hf_checkpoint import convert

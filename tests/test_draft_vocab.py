@@ -10,7 +10,8 @@ import generate
 import load
 from conftest import expect_error, make_agreeing_pair, write_tokenizer
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 
 GREEDY = SamplingConfig()

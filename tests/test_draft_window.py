@@ -8,7 +8,8 @@ from attention import boolean_mask
 from bench import random_models
 from conftest import make_context_pair
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig, draft_start, generate, prefill
+from decode import TreeConfig, draft_start, generate, prefill
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from model import EagletError, ModelArgs
 from block_draft import DFlashDraft

@@ -10,7 +10,8 @@ import torch
 import decode
 from batch import generate_batch
 from checkpoint import EagletError
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from load import load_draft, load_target, set_confidence
 from conftest import check_compiled_cycle
 from convert_hf_checkpoint import convert

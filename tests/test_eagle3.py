@@ -11,7 +11,8 @@ from conftest import (assert_close_in_scale, check_compiled_cycle, eagle3_config
                       read_generation, write_eagle_head)
 from convert_hf_checkpoint import convert, main as convert_main
 from draft import Eagle3Draft
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError

@@ -462,7 +462,7 @@ def test_config_sizes_must_be_positive_integers(key, bad):
 
 def test_sampling_settings_out_of_range_are_refused():
     """The CLI's flags refuse these before parsing ends; the Python API's SamplingConfig refuses them too."""
-    from decode import SamplingConfig
+    from sampling import SamplingConfig
     from model import EagletError
     for bad, match in [(dict(temperature=-0.5), "temperature must be >= 0"), (dict(top_p=0.0), "top_p must be in"),
                        (dict(top_p=1.5), "top_p must be in"), (dict(top_k=-1), "top_k must be >= 0")]:

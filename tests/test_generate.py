@@ -8,7 +8,8 @@ import torch
 
 import decode
 from checkpoint import EagletError
-from decode import SamplingConfig, generate
+from decode import generate
+from sampling import SamplingConfig, logits_to_probs
 from load import load_target
 from tokenizer import Tokenizer
 from conftest import ROOT, SHARED, expect_error, make_hf_checkpoint, run_cli, tiny_config, write_tokenizer
@@ -42,11 +43,11 @@ def test_sampling_is_seeded_and_respects_top_k(checkpoints, tmp_path):
 
 def test_sampling_distribution_processing():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    probs = decode.logits_to_probs(logits, SamplingConfig(temperature=0.5, top_p=0.9))
+    probs = logits_to_probs(logits, SamplingConfig(temperature=0.5, top_p=0.9))
     full = torch.softmax(logits / 0.5, -1)
     assert full[0, 0] < 0.9 < full[0, :2].sum()  # so top_p keeps exactly two tokens
     assert torch.allclose(probs, torch.cat([full[:, :2] / full[0, :2].sum(), torch.zeros(1, 2)], -1))
-    probs = decode.logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=3))
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=3))
     assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.softmax(logits[0, :3], -1))
 
 

@@ -13,8 +13,10 @@ import torch
 from conftest import SPECIALS, make_hf_checkpoint, run_cli
 from convert_gguf import GGUFFile, GGUFTensor, dequantize_blocks, gguf_tokenizer, int4_groups, merges_from_scores
 from convert_hf_checkpoint import convert, main as convert_main
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from load import load_draft, load_target
+from attention import causal_mask
 import model as model_module
 from model import EagletError
 from tokenizer import Tokenizer
@@ -168,7 +170,7 @@ def write_gguf(path: Path, hf, linear_type: str = "F32", arch: str = None, token
 def logits(model, tokens):
     pos = torch.arange(tokens.shape[1])
     with torch.no_grad():
-        return model(tokens, pos, pos, model_module.causal_mask(pos, tokens.shape[1]))[0]
+        return model(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))[0]
 
 
 # every architecture in float; the weight types on an MHA LLaMA and on Qwen3 (head_dim apart from heads)

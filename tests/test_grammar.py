@@ -14,7 +14,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="validates the replies: pi
 
 import generate  # noqa: E402
 import decode  # noqa: E402
-from decode import SamplingConfig, TreeConfig, logits_to_probs, prefill, speculative_cycle  # noqa: E402
+from decode import TreeConfig, prefill, speculative_cycle  # noqa: E402
+from sampling import SamplingConfig, logits_to_probs  # noqa: E402
 from graphs import compile_step  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from conftest import ROOT, expect_error  # noqa: E402

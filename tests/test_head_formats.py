@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from conftest import expect_error, head_config, random_head_weights, write_eagle_head, write_tokenizer
 from convert_hf_checkpoint import convert, main as convert_main
 from draft import Eagle3Draft

@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode import SamplingConfig, generate
+from decode import generate
+from sampling import SamplingConfig
+from attention import causal_mask
 import model as model_module
 import quantize
 from conftest import expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, write_tokenizer
@@ -220,7 +222,7 @@ def logits_of(path, hf):
     tokens = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 2, 30]]) % model.args.vocab_size
     pos = torch.arange(tokens.shape[1])
     with torch.no_grad():
-        ours, _ = model(tokens, pos, pos, model_module.causal_mask(pos, tokens.shape[1]))
+        ours, _ = model(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))
         return ours, hf(tokens).logits
 
 

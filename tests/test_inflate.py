@@ -11,7 +11,8 @@ import torch
 import generate
 import decode
 from conftest import ROOT, read_generation
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from tokenizer import Tokenizer
 

@@ -11,7 +11,8 @@ import torch
 import generate
 import decode
 from conftest import ROOT, assert_close_in_scale, read_generation
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from test_inflate import REDUCED
 from test_inflate_eagle3 import DEEPER

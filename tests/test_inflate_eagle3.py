@@ -10,7 +10,8 @@ import torch
 import generate
 import decode
 from conftest import ROOT, read_generation
-from decode import SamplingConfig, TreeConfig, prefill
+from decode import TreeConfig, prefill
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from attention import causal_mask
 from model import EagletError

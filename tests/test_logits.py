@@ -3,6 +3,7 @@ soft-capping, in this test only) reaches the target's own logits, a head's draft
 draft vocabulary, a DFlash block's scores, and head training's losses."""
 import torch
 
+from attention import causal_mask
 import model as model_module
 import train_draft
 from conftest import ROOT
@@ -28,11 +29,11 @@ def test_a_transform_in_transformer_logits_reaches_the_target_and_the_heads(monk
     target = load_target(DEMO / "target" / "model.pth", "cpu", "fp32", 64)
     head, dflash = load_draft(DEMO / "head" / "draft.pth", target), load_draft(DEMO / "dflash" / "draft.pth", target)
     tokens, pos = torch.tensor([[1, 300, 400, 500, 600]]), torch.arange(5)
-    raw, _ = target(tokens, pos, pos, model_module.causal_mask(pos, 64))
+    raw, _ = target(tokens, pos, pos, causal_mask(pos, 64))
     h = torch.randn(3, target.args.dim)
     raw_head, raw_rows = head.logits(target, h), None
     seen = soft_capped(monkeypatch)
-    logits, _ = target(tokens, pos, pos, model_module.causal_mask(pos, 64))
+    logits, _ = target(tokens, pos, pos, causal_mask(pos, 64))
     assert torch.allclose(logits, CAP * torch.tanh(raw / CAP)) and logits.abs().max() <= CAP
     assert raw.abs().max() > 3 * CAP  # the cap changed something
     assert torch.allclose(head.logits(target, h), CAP * torch.tanh(raw_head / CAP))  # EAGLE's draft scores

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from batch import generate_batch
-from decode import SamplingConfig, TreeConfig, generate, speculative_cycle
+from decode import TreeConfig, generate, speculative_cycle
+from sampling import SamplingConfig
 from graphs import compile_step
 from load import load_draft, load_target
 from tokenizer import Tokenizer

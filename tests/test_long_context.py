@@ -6,7 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import random_models
 from batch import generate_batch
-from decode import SamplingConfig, TreeConfig, draft_start, generate, prefill
+from decode import TreeConfig, draft_start, generate, prefill
+from sampling import SamplingConfig
 from load import load_target
 from model import EagletError
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import decode
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from conftest import CTX_A, CTX_B1, CTX_B2, CTX_VOCAB, make_context_pair
 from convert_hf_checkpoint import convert
 from load import load_draft, load_target

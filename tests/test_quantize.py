@@ -10,12 +10,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import generate
 import decode
+from attention import causal_mask
 import model as model_module
 import quantize
 from conftest import check_compiled_cycle, expect_error, make_agreeing_eagle3_pair, make_agreeing_pair, read_generation
 from convert_common import export_layer
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from quantize import Int4Linear, Int8Linear, pack_quantized, use_quantized_linears, weight_bytes
 from model import QUANT_KEY, ModelArgs, read_config
@@ -180,7 +182,7 @@ def test_quantized_target_matches_transformers_on_dequantized_weights(checkpoint
     tokens = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 2, 30]])
     pos = torch.arange(tokens.shape[1])
     with torch.no_grad():
-        ours, _ = model(tokens, pos, pos, model_module.causal_mask(pos, tokens.shape[1]))
+        ours, _ = model(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))
         want = hf(tokens).logits
     assert (ours - want).abs().max() < 1e-4
 

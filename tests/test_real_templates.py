@@ -207,7 +207,8 @@ def test_a_forced_call_is_read_back_and_goes_back_through_the_template(vocabular
     transformers' too (Mistral's template takes the call's id)."""
     pytest.importorskip("llguidance", reason="forced calls are grammars: pip install llguidance")
     jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
-    from decode import SamplingConfig, generate
+    from decode import generate
+    from sampling import SamplingConfig
     from grammar import Constraint
     ours, theirs = both(vocabularies, template)
     form, functions = call_format(ours), functions_of(TOOLS)

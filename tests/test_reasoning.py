@@ -7,7 +7,8 @@ from itertools import combinations
 
 import pytest
 
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from conftest import ROOT, smollm2_gguf
 from grammar import Constraint, after_thinking, grammar_of, grammar_tokenizer, tag_token

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from checkpoint import EagletError
-from decode import SamplingConfig, TreeConfig, generate, speculative_cycle
+from decode import TreeConfig, generate, speculative_cycle
+from sampling import SamplingConfig
 from tokenizer import Tokenizer
 from conftest import ROOT
 from load import load_draft, load_target

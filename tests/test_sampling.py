@@ -9,7 +9,8 @@ import torch
 
 import decode
 from batch import generate_batch
-from decode import SamplingConfig, TreeConfig, accept, generate, logits_to_probs, sample
+from decode import TreeConfig, accept, generate
+from sampling import SamplingConfig, logits_to_probs, sample
 import graphs
 from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
@@ -218,7 +219,7 @@ def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compili
 def test_the_tensor_settings_are_named_by_the_config_fields():
     """A compiled step reads the sampling settings from one tensor, each by its SamplingConfig field's name; whole
     numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
-    from decode import TENSOR_SETTINGS
+    from sampling import TENSOR_SETTINGS
     assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k")
     named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, logprobs=3).inputs("cpu").named()
     assert {k: v.item() for k, v in named.items()} == {"temperature": 0.5, "top_p": 0.25, "top_k": 7.0}

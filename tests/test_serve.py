@@ -20,7 +20,8 @@ try:  # the HTTP client openai comes with (httpx2 in its newer releases, httpx b
 except ImportError:
     httpx = pytest.importorskip("httpx", reason="comes with openai")
 
-from decode import SamplingConfig, generate  # noqa: E402
+from decode import generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from chat import TextStreamer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402

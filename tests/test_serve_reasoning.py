@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import HANG_S, ROOT
-from decode import SamplingConfig
+from sampling import SamplingConfig
 from openai_replies import StreamReply, whole_reply
 from reasoning import ANSWERING, MAY_THINK, THINKING
 from serve_engine import Job

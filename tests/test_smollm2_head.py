@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from tokenizer import Tokenizer
 

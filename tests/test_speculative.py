@@ -8,7 +8,8 @@ import generate
 import decode
 from conftest import expect_error, head_config, make_agreeing_pair, random_head_weights, read_generation, scripted_input, write_eagle_head
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from attention import causal_mask
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from batch import generate_batch
 from cli import DEMO_PROMPT
-from decode import SamplingConfig, generate, speculative_cycle
+from decode import generate, speculative_cycle
+from sampling import SamplingConfig
 from load import load_draft, load_target
 import attention
 from conftest import ROOT

@@ -10,7 +10,8 @@ import decode
 from load import load_draft, load_target
 from conftest import ROOT, expect_error, read_generation
 from attention import causal_mask
-from decode import SamplingConfig, draft_start, prefill, speculative_cycle
+from decode import draft_start, prefill, speculative_cycle
+from sampling import SamplingConfig
 from graphs import compile_step
 from draft_tree import StaticTree
 from model import EagletError

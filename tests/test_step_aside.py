@@ -8,7 +8,8 @@ import torch
 
 from conftest import HANG_S, STAT_SAMPLES, make_context_pair
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 from step_aside import StepAside
 from load import load_draft, load_target
 

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("llguidance", reason="forced calls are grammars: pip install llguidance")
 jsonschema = pytest.importorskip("jsonschema", reason="validates the calls' arguments: pip install jsonschema")
 
-from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
+from decode import TreeConfig, generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 from conftest import HANG_S, ROOT, smollm2_gguf  # noqa: E402
 from grammar import Constraint, grammar_of, grammar_tokenizer, tag_token  # noqa: E402

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode import SamplingConfig, generate
+from decode import generate
+from sampling import SamplingConfig
 from tokenizer import Tokenizer
 import train_draft
 import train_data

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode import SamplingConfig, TreeConfig, catch_up, generate
+from decode import TreeConfig, catch_up, generate
+from sampling import SamplingConfig
 from tokenizer import Tokenizer
 import train_draft
 import train_data

@@ -19,7 +19,8 @@ import train_data
 from conftest import (HANG_S, ROOT, SHARED, head_config, make_agreeing_pair, make_hf_checkpoint, random_head_weights,
                       read_generation, scripted_input, tiny_config, write_eagle_head)
 from convert_hf_checkpoint import convert
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from load import load_draft, load_target
 from model import EagletError
 from tokenizer import Tokenizer

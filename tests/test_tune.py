@@ -11,7 +11,8 @@ from load import load_draft, load_target
 from tokenizer import Tokenizer
 import tune
 from conftest import ROOT, expect_error, read_generation
-from decode import SamplingConfig, TreeConfig
+from decode import TreeConfig
+from sampling import SamplingConfig
 from model import EagletError
 from tune import TreeMeasure
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from decode import SamplingConfig, TreeConfig, generate
+from decode import TreeConfig, generate
+from sampling import SamplingConfig
 import model as model_module
 from conftest import ROOT, head_config, random_head_weights, tiny_config, write_eagle_head, write_tokenizer
 from convert_hf_checkpoint import convert

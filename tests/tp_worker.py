@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tp  # noqa: E402
-from decode import SamplingConfig, TreeConfig, generate  # noqa: E402
+from decode import TreeConfig, generate  # noqa: E402
+from sampling import SamplingConfig  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from load import load_draft, load_target  # noqa: E402
 
