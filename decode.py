@@ -428,7 +428,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     while True:
         ends, run, taken = {"cut": False, "stopped": False}, [], [0]
 
-        def take(new: list):
+        def take_allowed(new: list):
             n = constraint.take(new)
             finished = constraint.done()  # the grammar is complete (it took an EOS or allows nothing more)
             ends["cut"] = n < len(new) and not finished
@@ -442,7 +442,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
             ends["stopped"] = keep is not None or finished
             return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
         context = prompt_tokens + tokens
-        segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take,
+        segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take_allowed,
                            first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
         first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
         if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
