@@ -12,8 +12,8 @@ last request's tokens stay in the cache: a request that extends them (the next t
 its new tokens and says so in usage.prompt_tokens_details.cached_tokens. docs/serve.md has the details.
 
 The rooms, in server/: fields.py checks each field, requests.py turns a request into the engine's Jobs, engine.py
-runs them, replies.py shapes what comes back, app.py is the HTTP routes and the process; this file is the command
-(its flags answer --help before torch is imported).
+runs them, replies.py shapes what comes back, app.py is the HTTP routes and the process; this file is the command:
+its flags, then app.py's run.
 """
 import generate
 from cli import cli_parser, float_flag, int_flag
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from server.app import run  # torch, FastAPI and the model once the flags are known good
+    from server.app import run  # FastAPI, uvicorn and the server's rooms once the flags are known good
     run(args)
 
 
