@@ -1,11 +1,22 @@
-"""The house: the README's file table says truly what each file imports, and imports go one way (no circle)."""
+"""The house: the README's file table says truly what each file imports, and imports go one way (no circle); the
+server's files (server/) are named as they are imported, server.engine."""
 import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(ROOT.glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
-OURS = {p.stem for p in SOURCES}
+SOURCES = sorted(ROOT.glob("*.py")) + sorted((ROOT / "scripts").glob("*.py")) + sorted(
+    p for p in (ROOT / "server").glob("*.py") if p.stem != "__init__")
+PACKAGES = {"server"}
+
+
+def module_name(path: Path) -> str:
+    """A file as it is imported: its stem, or package.stem for a file in a package folder."""
+    folder = path.relative_to(ROOT).parts[0]
+    return f"{folder}.{path.stem}" if folder in PACKAGES else path.stem
+
+
+OURS = {module_name(p) for p in SOURCES}
 
 
 def eaglet_imports(path: Path) -> tuple:
@@ -15,13 +26,19 @@ def eaglet_imports(path: Path) -> tuple:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [a.name.split(".")[0] for a in node.names]
+            names = [imported(a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module.split(".")[0]]
+            names = [imported(node.module)]
         else:
             continue
-        (top if node.col_offset == 0 else inside).update(n for n in names if n in OURS and n != path.stem)
+        (top if node.col_offset == 0 else inside).update(n for n in names if n in OURS and n != module_name(path))
     return top, inside - top
+
+
+def imported(module: str) -> str:
+    """The file a module name reads: server.engine for server.engine.X, the first part otherwise."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] in PACKAGES else parts[0]
 
 
 def readme_table() -> dict:
@@ -34,7 +51,8 @@ def readme_table() -> dict:
         column = m.group(2).strip()
         inside = re.search(r"\(inside a function: ([^)]*)\)", column)
         top = re.sub(r"\(inside a function: [^)]*\)", "", column).strip()
-        table[m.group(1).split("/")[-1]] = (module_names(top), module_names(inside.group(1)) if inside else set())
+        name = m.group(1)
+        table[name.replace("/", ".") if name.split("/")[0] in PACKAGES else name.split("/")[-1]] = (module_names(top), module_names(inside.group(1)) if inside else set())
     return table
 
 
@@ -48,14 +66,14 @@ def test_readme_file_table_lists_every_file_and_its_imports():
     wrong = {}
     for path in SOURCES:
         actual = tuple(sorted(s) for s in eaglet_imports(path))
-        said = tuple(sorted(s) for s in table[path.stem])
+        said = tuple(sorted(s) for s in table[module_name(path)])
         if actual != said:
             wrong[path.name] = dict(actual=actual, readme=said)
     assert not wrong, wrong
 
 
 def test_top_level_imports_have_no_circle():
-    graph = {p.stem: eaglet_imports(p)[0] for p in SOURCES}
+    graph = {module_name(p): eaglet_imports(p)[0] for p in SOURCES}
     done, on_path = set(), []
 
     def visit(name):

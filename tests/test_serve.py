@@ -475,7 +475,7 @@ def test_prompt_lists_and_n_choices(client, reference):
 
 
 def test_text_offsets_count_a_character_split_over_tokens_once():
-    from openai_replies import completion_logprobs
+    from server.replies import completion_logprobs
     entries = [{"token": t, "bytes": list(b), "logprob": -1.0, "top_logprobs": []}
                for t, b in [("a", b"a"), ("\ufffd", b"\xc3"), ("\ufffd", b"\xa9"), ("b", b"b")]]
     shaped, seen = completion_logprobs(entries)
@@ -550,7 +550,7 @@ def test_completion_logprobs_keep_the_sampled_token_and_name_each_alternative(cl
 
 
 def test_completion_logprobs_names():
-    from openai_replies import completion_logprobs
+    from server.replies import completion_logprobs
     entry = {"token": "\ufffd", "bytes": [0xe2, 0x80], "logprob": -1.0, "top_logprobs": [
         {"token": "\ufffd", "bytes": [0xe2, 0x81], "logprob": -0.5}, {"token": "A", "bytes": [65], "logprob": -2.0},
         {"token": "A", "bytes": [65], "logprob": -3.0},  # a byte token (<0x41>) beside the piece "A"
@@ -696,8 +696,8 @@ def test_a_template_refusal_names_the_field_that_caused_it(tmp_path):
     raises on the conversation names messages."""
     from types import SimpleNamespace
 
-    from openai_fields import ApiError
-    from openai_requests import Requests
+    from server.fields import ApiError
+    from server.requests import Requests
     (tmp_path / "t.jinja").write_text("{% if strict %}{{ raise_exception('strict mode') }}{% endif %}"
                                       "{% if reasoning_effort == 'max' %}{{ raise_exception('no max') }}{% endif %}"
                                       "{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('bad') }}"

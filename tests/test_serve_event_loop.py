@@ -23,7 +23,8 @@ GAP = SLOW / 2  # the largest gap allowed between the running stream's chunks
 LAUNCH = f"""
 import sys, time
 import grammar, serve
-compile_grammar, stream = grammar.Constraint.__init__, serve.Engine.stream
+from server.engine import Engine
+compile_grammar, stream = grammar.Constraint.__init__, Engine.stream
 
 def slow_compile(self, *args, **kwargs):
     print(f"compiling {{time.time():.3f}}", flush=True)
@@ -35,7 +36,7 @@ def paced_stream(self, job):
     streamer, state, on_tokens = stream(self, job)
     return streamer, state, lambda new: time.sleep(0.005) or on_tokens(new)
 
-grammar.Constraint.__init__, serve.Engine.stream = slow_compile, paced_stream
+grammar.Constraint.__init__, Engine.stream = slow_compile, paced_stream
 serve.main(sys.argv[1:])
 """
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name"],  # 120 fields of four kinds

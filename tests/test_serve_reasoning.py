@@ -10,9 +10,9 @@ import pytest
 
 from conftest import HANG_S, ROOT
 from sampling import SamplingConfig
-from openai_replies import StreamReply, whole_reply
+from server.replies import StreamReply, whole_reply
 from reasoning import ANSWERING, MAY_THINK, THINKING
-from serve_engine import Job
+from server.engine import Job, done_record
 
 TEMPLATE = ROOT / "tests" / "data" / "thinking_chatml.jinja"
 
@@ -33,9 +33,7 @@ def job(start, tool_form) -> Job:
 
 
 def done(text: str) -> dict:
-    return {"finish_reason": "stop", "text": text, "logprobs": None, "eaglet": {},
-            "usage": {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
-                      "prompt_tokens_details": {"cached_tokens": 0}}}
+    return done_record(job(None, None), "stop", text, completion_tokens=5)
 
 
 def streamed(start, tool_form, pieces: list) -> tuple:
@@ -82,7 +80,7 @@ def test_the_reply_starts_where_the_generation_prompt_leaves_it(kwargs, start):
     holds a <think> opens nothing."""
     from types import SimpleNamespace
 
-    from openai_requests import Requests
+    from server.requests import Requests
     from tokenizer import Tokenizer
     requests = Requests(SimpleNamespace(tokenizer=Tokenizer(ROOT / "demo" / "target", str(TEMPLATE))), ["eaglet"])
     messages = [{"role": "user", "content": "What does a <think> tag do?"},

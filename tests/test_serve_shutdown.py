@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import serve
+from server.app import DrainingUvicorn
 from conftest import HANG_S, ROOT, until, wait_ready
 
 openai = pytest.importorskip("openai", reason="the official client: pip install openai")
@@ -130,7 +130,7 @@ def test_sigterm_ends_the_replies_in_flight_within_the_grace(served, running):
         t.join(timeout=HANG_S)
     assert status == 0 and seconds >= GRACE, server.lines
     how, waited = server.ended()  # the replies ended once cancelled: the server did not wait out its backstop
-    assert how == "every reply ended" and GRACE <= waited < GRACE + serve.DrainingUvicorn.CANCEL_WAIT, server.lines
+    assert how == "every reply ended" and GRACE <= waited < GRACE + DrainingUvicorn.CANCEL_WAIT, server.lines
 
     lines = streamed["lines"]
     assert lines[-1] == "[DONE]"

@@ -18,8 +18,8 @@ from load import load_draft, load_target  # noqa: E402
 from conftest import HANG_S, ROOT, smollm2_gguf  # noqa: E402
 from grammar import Constraint, grammar_of, grammar_tokenizer, tag_token  # noqa: E402
 from model import EagletError  # noqa: E402
-from openai_fields import messages_of  # noqa: E402
-from openai_requests import Requests  # noqa: E402
+from server.fields import messages_of  # noqa: E402
+from server.requests import Requests  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tool_calls import (JSON_EXACT, call_format, call_grammar, chosen_functions, functions_of,  # noqa: E402
                         ids_for_template, mistral_id, parse_calls, streamable)

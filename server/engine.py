@@ -1,6 +1,7 @@
-"""The server's engine: the model, and the one thread that runs every request (a Job) in arrival order from a bounded
-queue; a job's text, logprobs and last record go back to the HTTP side through its event loop. Every torch call of
-the server runs in this thread.
+"""The server's engine: the model, and the one thread that runs every request (a Job) in arrival order from its own
+bounded queue; a job's text, its tokens' scores (raw: bytes and logprobs) and one last record of counts go back to the
+HTTP side through its event loop (replies.py shapes them as OpenAI's objects). Every torch call of the server runs in
+this thread.
 """
 import asyncio
 import queue
@@ -22,6 +23,7 @@ from load import describe, load, short_path
 from step_aside import StepAside
 from grammar import grammar_tokenizer, token_bytes
 from reasoning import thinking_tokens
+from server.metrics import Metrics
 
 GREEDY = SamplingConfig()
 WARM_UP = [SamplingConfig(t, logprobs=k) for t in (0.0, 1.0) for k in (-1, 0)]
@@ -51,58 +53,61 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value))
 
 
-class Metrics:
-    """Counters for /metrics (Prometheus text), written by both threads under one lock."""
+def done_record(job: Job, finish: str, text: str, completion_tokens: int = 0, cached: int = 0,
+                reasoning_tokens: Optional[int] = None, scores: Optional[list] = None, cycles: int = 0,
+                tau: Optional[float] = None, tokens_per_s: float = 0.0, seconds: float = 0.0, plain_tokens: int = 0):
+    """A job's last event, in its one shape: why it ended, its whole text, the counts (reasoning_tokens: None where the
+    reply is not split), its tokens' scores (None: no logprobs asked for) and eaglet's record of the run."""
+    return {"finish_reason": finish, "text": text, "prompt_tokens": len(job.prompt),
+            "completion_tokens": completion_tokens, "cached_tokens": cached, "reasoning_tokens": reasoning_tokens,
+            "logprobs": scores if job.sampling.logprobs >= 0 else None,
+            "eaglet": {"cycles": cycles, "tau": tau, "tokens_per_s": tokens_per_s, "seconds": seconds,
+                       "plain_tokens": plain_tokens}}
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests, self.values = {}, {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                                          "cycles": 0, "emitted": 0, "seconds": 0.0, "batched": 0,
-                                          "constrained": 0, "constrained_cycles": 0, "constrained_emitted": 0,
-                                          "grammar_cuts": 0, "forced_tokens": 0, "plain_tokens": 0}
 
-    def count(self, outcome: Optional[str], **values):
-        with self.lock:
-            if outcome is not None:
-                self.requests[outcome] = self.requests.get(outcome, 0) + 1
-            for k, v in values.items():
-                self.values[k] += v
+class Waiting:
+    """The engine's own bounded queue, in arrival order, and the jobs held back for the next turn."""
 
-    def text(self, queue_depth: int) -> str:
-        with self.lock:
-            v, lines = dict(self.values), []
-            lines += ["# TYPE eaglet_requests_total counter"]
-            lines += [f'eaglet_requests_total{{outcome="{k}"}} {n}' for k, n in sorted(self.requests.items())]
-            for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-                lines += [f"# TYPE eaglet_{name}_total counter", f"eaglet_{name}_total {v[name]}"]
-            lines += ["# TYPE eaglet_batched_requests_total counter", f"eaglet_batched_requests_total {v['batched']}",
-                      "# TYPE eaglet_cycles_total counter", f"eaglet_cycles_total {v['cycles']}",
-                      "# HELP eaglet_mean_tau tokens a cycle emits, over all cycles", "# TYPE eaglet_mean_tau gauge",
-                      f"eaglet_mean_tau {v['emitted'] / v['cycles'] if v['cycles'] else 0:.4f}",
-                      "# TYPE eaglet_constrained_requests_total counter",
-                      f"eaglet_constrained_requests_total {v['constrained']}",
-                      "# HELP eaglet_constrained_mean_tau tokens a cycle emits under a grammar, over those cycles",
-                      "# TYPE eaglet_constrained_mean_tau gauge", "eaglet_constrained_mean_tau "
-                      f"{v['constrained_emitted'] / v['constrained_cycles'] if v['constrained_cycles'] else 0:.4f}",
-                      "# HELP eaglet_grammar_cuts_total positions where the grammar refused the target's pick",
-                      "# TYPE eaglet_grammar_cuts_total counter", f"eaglet_grammar_cuts_total {v['grammar_cuts']}",
-                      "# HELP eaglet_grammar_forced_tokens_total tokens the grammar forced, taken without the target",
-                      "# TYPE eaglet_grammar_forced_tokens_total counter",
-                      f"eaglet_grammar_forced_tokens_total {v['forced_tokens']}",
-                      "# HELP eaglet_plain_tokens_total tokens plain steps made while a head was loaded (speculation "
-                      "stepped aside: --step_aside)", "# TYPE eaglet_plain_tokens_total counter",
-                      f"eaglet_plain_tokens_total {v['plain_tokens']}",
-                      "# TYPE eaglet_queue_depth gauge", f"eaglet_queue_depth {queue_depth}",
-                      "# TYPE eaglet_request_seconds_total counter", f"eaglet_request_seconds_total {v['seconds']:.4f}"]
-            return "\n".join(lines) + "\n"
+    def __init__(self, max_queue: int, max_batch: int):
+        self.jobs, self.held, self.max_batch = queue.Queue(maxsize=max_queue), [], max_batch
+
+    def put(self, jobs: list) -> bool:
+        """A request's jobs, all or none: False where the queue is full (those queued are cancelled: dropped unrun)."""
+        for queued, job in enumerate(jobs):
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                for j in jobs[:queued]:  # the engine drops them unrun
+                    j.cancelled.set()
+                return False
+        return True
+
+    def next(self, slots: int) -> list:
+        """The next job; with --max_batch, the greedy jobs waiting behind a greedy one join it (up to max_batch) where
+        the batch fits slots. A job that cannot join (it samples) waits for the next turn, first in line."""
+        job = self.held.pop(0) if self.held else self.jobs.get()
+        batch = [job]
+        batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
+                               and j.constraint is None)  # a grammar, logprobs: alone
+        while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
+            try:
+                other = self.held.pop(0) if self.held else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            fits = max(len(j.prompt) for j in batch + [other]) + max(j.max_tokens for j in batch + [other]) \
+                <= slots  # generate_batch gives every row the longest reply
+            (batch if batchable(other) and fits else self.held).append(other)
+            if self.held:
+                break
+        return batch
 
 
 class Engine:
-    """The model and the one thread that runs it: jobs from a bounded queue, in arrival order."""
+    """The model and the one thread that runs it: jobs from its own bounded queue, in arrival order."""
 
     def __init__(self, args, max_queue: int, max_batch: int = 1):
-        self.jobs, self.cached, self.metrics = queue.Queue(maxsize=max_queue), [], Metrics()
-        self.max_batch, self.held = max_batch, []
+        self._waiting, self.cached, self.metrics = Waiting(max_queue, max_batch), [], Metrics()
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.name, self.failure, ready = short_path(args.checkpoint_path), None, threading.Event()
         threading.Thread(target=self.loop, args=(args, ready), daemon=True, name="eaglet engine").start()
         ready.wait()
@@ -128,7 +133,7 @@ class Engine:
                            prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None else 0
         self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
-        self.grammar_tokenizer()
+        grammar_tokenizer_now(self.tokenizer, self.model.args.vocab_size)
         if self.max_batch > 1:  # caches of max_batch rows (one prompt alone uses the first)
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)
             if self.draft is not None:
@@ -138,14 +143,6 @@ class Engine:
                                      step_fn=compile_step(step, args.device) if args.compile else step)
         if args.compile:  # every graph the step has (greedy or sampled, logprobs or not) before any request
             warm_up(lambda prompt, n: [self.gen(prompt, n, s) for s in WARM_UP], self.tokenizer.encode("Hello"), 16)
-
-    def grammar_tokenizer(self):
-        """llguidance's view of the tokenizer (every token's bytes: about a second for 128k ids) built now, in the
-        engine's thread, not by the first request that asks for a grammar or logprobs."""
-        try:
-            grammar_tokenizer(self.tokenizer, self.model.args.vocab_size)
-        except Exception as e:  # no llguidance, or a tokenizer it cannot read: the requests that need it say why
-            print(f"warning: structured output and logprobs' token bytes are unavailable: {e}", flush=True)
 
     def stepping_aside(self, args):
         """--step_aside on with a head: plain steps wherever a cycle costs more than the tokens it gives, judged by one
@@ -163,6 +160,13 @@ class Engine:
     def room(self, prompt: list) -> int:
         return self.model.max_seq_length - self.scratch - len(prompt)
 
+    def submit(self, jobs: list) -> bool:
+        """A request's jobs into the queue, all or none: False where it is full."""
+        return self._waiting.put(jobs)
+
+    def queue_depth(self) -> int:
+        return self._waiting.jobs.qsize()
+
     def loop(self, args, ready: threading.Event):
         # Every torch call runs in this thread, loading included: on a CPU another thread's OpenMP workers, left
         # spinning by earlier torch work, competed with this thread's (a matmul took 15x as long).
@@ -175,12 +179,10 @@ class Engine:
             ready.set()
         while self.failure is None:
             jobs = []
-            for job in self.next_jobs():
+            for job in self._waiting.next(self.model.max_seq_length - self.scratch):
                 if job.cancelled.is_set():  # its client left, or the server is shutting down, while it waited
                     self.metrics.count("aborted")
-                    job.send("done", {"finish_reason": "abort", "text": "", "usage": choice_usage(job.prompt, 0, 0),
-                                      "logprobs": [] if job.sampling.logprobs >= 0 else None,
-                                      "eaglet": {"cycles": 0, "tau": None, "tokens_per_s": 0.0, "seconds": 0.0}})
+                    job.send("done", done_record(job, "abort", "", scores=[]))
                 else:
                     jobs.append(job)
             try:
@@ -199,59 +201,33 @@ class Engine:
         the cycle's drafts made (all its tokens but the last, the target's own: the page marks it); a stop
         string or the job's own max_tokens ends it, and so does its client leaving."""
         streamer = TextStreamer(self.tokenizer, job.prompt, stop=job.stop)
-        state = {"stopped": False, "count": 0, "logprobs": []}  # logprobs: entries not sent yet
+        state = {"stopped": False, "count": 0, "logprobs": []}  # logprobs: scores not sent yet
+        vocab = self.model.args.vocab_size
 
         def on_tokens(new: list):
             forced = len(job.constraint.last_run) if job.constraint is not None else 0  # new ends with a forced run
             cycle = len(new) - forced
             new = new[:job.max_tokens - state["count"]]
-            marks = self.marks(streamer, new[:cycle], new[cycle:])
+            marks = drafted_marks(self.tokenizer, streamer, new[:cycle], new[cycle:])
             written = []
             streamer.write = lambda text: written.append((text, streamer.printed))
             keep = streamer(new)
             state["stopped"] = keep is not None
             if keep is None and (job.cancelled.is_set() or state["count"] + len(new) >= job.max_tokens):
                 keep = len(new)  # cancelled: the cycle's tokens are the reply's last (their text is sent)
-            state["logprobs"] += self.logprobs(job, state["count"], new if keep is None else new[:keep])
+            state["logprobs"] += scored(self.tokenizer, vocab, job, state["count"], new if keep is None else new[:keep])
             for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
-                job.send("text", (text, start, marks, self.unsent(state) if i == len(written) - 1 else []))
+                job.send("text", (text, start, marks, unsent(state) if i == len(written) - 1 else []))
             state["count"] += len(new) if keep is None else keep
             return keep
         return streamer, state, on_tokens
 
-    def marks(self, streamer: TextStreamer, cycle: list, forced: list) -> dict:
-        """The reply's character ranges the page colours: drafted, from the cycle's accepted drafts (all its tokens but
-        the last, the target's own); forced, the tokens the grammar forced after them (only where there are some)."""
-        def end(tokens: list) -> int:
-            return len(self.tokenizer.decode([t for t in streamer.tokens + tokens if t not in self.tokenizer.eos_ids])) \
-                - streamer.skip
-        marks = {"drafted": [len(streamer.text), end(cycle[:-1])]}
-        return marks | ({"forced": [end(cycle), end(cycle + forced)]} if forced else {})
-
-    def logprobs(self, job: Job, first: int, tokens: list) -> list:
-        """OpenAI's chat logprobs entries of tokens, the job's tokens from index first on (EOS left out, as from the
-        text): the token, its bytes, its logprob under the target and its likeliest alternatives."""
-        if job.sampling.logprobs < 0:
-            return []
-        vocab = self.model.args.vocab_size
-
-        def entry(token: int, logprob: float) -> dict:
-            raw = token_bytes(self.tokenizer, vocab, token)
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-        return [entry(t, logprob) | {"top_logprobs": [entry(i, p) for i, p in top]}
-                for t, (logprob, top) in zip(tokens, job.scores[first:]) if t not in self.tokenizer.eos_ids]
-
-    @staticmethod
-    def unsent(state: dict) -> list:
-        entries, state["logprobs"] = state["logprobs"], []
-        return entries
-
     def finish(self, job: Job, result, streamer: TextStreamer, state: dict, cached: int, seconds: float):
         """The rest of the text, the counters, and the job's last event."""
-        streamer.write = lambda text: job.send("text", (text, streamer.printed, {"drafted": [0, 0]}, self.unsent(state)))
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, {"drafted": [0, 0]}, unsent(state)))
         streamer.flush()
         if state["logprobs"]:  # tokens whose text never came (held back, then cut)
-            job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, self.unsent(state)))
+            job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, unsent(state)))
         eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
         finish = "stop" if state["stopped"] or eos else "length" if len(result.tokens) >= job.max_tokens \
             else "abort" if job.cancelled.is_set() else "stop"
@@ -263,21 +239,15 @@ class Engine:
         if job.constraint is not None:
             self.metrics.count(None, constrained=1, constrained_cycles=cycles, constrained_emitted=sum(result.accept_lengths),
                                grammar_cuts=job.constraint.cuts, forced_tokens=job.constraint.forced_tokens)
-        usage = choice_usage(job.prompt, len(result.tokens), cached)
-        if job.reasoning is not None:  # OpenAI's count of a reasoning model's thinking
-            usage["completion_tokens_details"] = {"reasoning_tokens": thinking_tokens(
-                self.tokenizer.decode, result.tokens, job.reasoning)}
-        job.send("done", {"finish_reason": finish, "text": streamer.text, "usage": usage,
-                          "logprobs": self.logprobs(job, 0, result.tokens) if job.sampling.logprobs >= 0 else None,
-                          "eaglet": {"cycles": cycles, "tau": result.tau if cycles else None,
-                                     "tokens_per_s": result.tokens_per_s, "seconds": seconds,
-                                     "plain_tokens": result.plain_tokens}})
+        thinking = None if job.reasoning is None else thinking_tokens(  # the count of a reasoning model's thinking
+            self.tokenizer.decode, result.tokens, job.reasoning)
+        job.send("done", done_record(job, finish, streamer.text, len(result.tokens), cached, thinking,
+                                     scored(self.tokenizer, self.model.args.vocab_size, job, 0, result.tokens),
+                                     cycles, result.tau if cycles else None, result.tokens_per_s, seconds,
+                                     result.plain_tokens))
 
     def run(self, job: Job):
-        start = 0
-        if job.reuse:  # the longest prefix the cache holds, leaving at least one token to prefill
-            while start < min(len(self.cached), len(job.prompt) - 1) and self.cached[start] == job.prompt[start]:
-                start += 1
+        start = reusable(self.cached, job)
         self.cached = []
         if job.seed is not None:
             torch.manual_seed(job.seed)
@@ -307,26 +277,45 @@ class Engine:
             self.metrics.count(None, batched=1)
             self.finish(job, result, streamer, state, 0, time.perf_counter() - t0)
 
-    def next_jobs(self) -> list:
-        """The next job; with --max_batch, the greedy jobs waiting behind a greedy one join it (up to max_batch).
-        A job that cannot join (it samples) waits for the next turn, first in line."""
-        job = self.held.pop(0) if self.held else self.jobs.get()
-        batch = [job]
-        batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
-                               and j.constraint is None)  # a grammar, logprobs: alone
-        while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
-            try:
-                other = self.held.pop(0) if self.held else self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            fits = max(len(j.prompt) for j in batch + [other]) + max(j.max_tokens for j in batch + [other]) \
-                + self.scratch <= self.model.max_seq_length  # generate_batch gives every row the longest reply
-            (batch if batchable(other) and fits else self.held).append(other)
-            if self.held:
-                break
-        return batch
+
+def reusable(cached: list, job: Job) -> int:
+    """The tokens of the job's prompt the cache holds already (none where the job asks for no reuse)."""
+    start = 0
+    if job.reuse:  # the longest prefix the cache holds, leaving at least one token to prefill
+        while start < min(len(cached), len(job.prompt) - 1) and cached[start] == job.prompt[start]:
+            start += 1
+    return start
 
 
-def choice_usage(prompt: list, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt) + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+def grammar_tokenizer_now(tokenizer, vocab: int):
+    """llguidance's view of the tokenizer (every token's bytes: about a second for 128k ids) built now, in the
+    engine's thread, not by the first request that asks for a grammar or logprobs."""
+    try:
+        grammar_tokenizer(tokenizer, vocab)
+    except Exception as e:  # no llguidance, or a tokenizer it cannot read: the requests that need it say why
+        print(f"warning: structured output and logprobs' token bytes are unavailable: {e}", flush=True)
+
+
+def drafted_marks(tokenizer, streamer: TextStreamer, cycle: list, forced: list) -> dict:
+    """The reply's character ranges the page colours: drafted, from the cycle's accepted drafts (all its tokens but
+    the last, the target's own); forced, the tokens the grammar forced after them (only where there are some)."""
+    def end(tokens: list) -> int:
+        return len(tokenizer.decode([t for t in streamer.tokens + tokens if t not in tokenizer.eos_ids])) \
+            - streamer.skip
+    marks = {"drafted": [len(streamer.text), end(cycle[:-1])]}
+    return marks | ({"forced": [end(cycle), end(cycle + forced)]} if forced else {})
+
+
+def scored(tokenizer, vocab: int, job: Job, first: int, tokens: list) -> list:
+    """The scores of tokens, the job's tokens from index first on (EOS left out, as from the text), raw: each
+    token's bytes, its logprob under the target and its likeliest alternatives as (bytes, logprob); replies.py
+    shapes them as OpenAI's logprobs."""
+    if job.sampling.logprobs < 0:
+        return []
+    return [(token_bytes(tokenizer, vocab, t), logprob, [(token_bytes(tokenizer, vocab, i), p) for i, p in top])
+            for t, (logprob, top) in zip(tokens, job.scores[first:]) if t not in tokenizer.eos_ids]
+
+
+def unsent(state: dict) -> list:
+    scores, state["logprobs"] = state["logprobs"], []
+    return scores

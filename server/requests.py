@@ -9,10 +9,11 @@ from typing import Optional
 
 from checkpoint import EagletError
 from grammar import Constraint, after_thinking, grammar_of, response_format_grammar
-from openai_fields import (GRAMMAR_FIELDS, MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError,
-                           messages_of, number, sampling_of)
 from reasoning import THINK_END, reasoning_start, template_thinks
-from serve_engine import Engine, Job
+from server.engine import Engine, Job
+from server.fields import (MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError, choices_of, fits_queue,
+                           fits_room, grammar_field_of, max_tokens_of, messages_of, model_of, number, one_call_of,
+                           one_grammar, prompts_of, sampling_of, separate_reasoning_of, stream_of, template_kwargs_of)
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
 
 
@@ -37,10 +38,7 @@ class Requests:
         be a list) n times, each checked against the cache's room, with the request's grammar compiled; whether to
         stream, and usage in the stream. Slow work (the template, tokenizing, the grammar): run it in a worker
         thread, never on the event loop."""
-        model = body.get("model")
-        if model is not None and model not in self.model_ids:  # absent: the page's requests, and lenient clients
-            raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
-                                f"{', '.join(self.model_ids)}", "model", "model_not_found")
+        model_of(body, self.model_ids)
         sampling, seed, stop = sampling_of(body, chat)
         self.warn_once([name for name in body if name not in READ | NO_EFFECT | REFUSED.keys()],
                        "no OpenAI-compatible server eaglet knows defines it")
@@ -49,54 +47,35 @@ class Requests:
                        f"not read by /v1/{'chat/' if chat else ''}completions")
         n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
         tools, tool_form, calls = self.tools_of(body, chat)
-        if body.get("parallel_tool_calls") not in (None, True, False):
-            raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+        one_call = one_call_of(body)
         if chat:
             prompt, opening = self.render(body, messages_of(body), tools)
             prompts, (grammar_start, split_start) = [prompt], self.reply_starts(body, opening)
         else:
             prompts, grammar_start, split_start = self.prompts_of(body.get("prompt")), None, None
-        if len(prompts) * n > MAX_CHOICES:
-            raise ApiError(400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n")
-        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = number(body, limit, None, 1, 1 << 31, integer=True)
+        choices_of(len(prompts), n)
+        limit, max_tokens = max_tokens_of(body)
         for prompt in prompts:
-            room = self.engine.room(prompt)
-            if room < 1 or (max_tokens or 1) > room:
-                raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
-                                    f"{len(prompt) + (max_tokens or 1) + self.engine.scratch} slots with the draft tree's "
-                                    f"scratch ({self.engine.scratch}); the cache holds {self.engine.model.max_seq_length}",
-                               limit, "context_length_exceeded")
-        stream, options = body.get("stream", False), body.get("stream_options") or {}
-        if not isinstance(stream, bool):
-            raise ApiError(400, "stream must be true or false", "stream")
-        if not isinstance(options, dict):
-            raise ApiError(400, "stream_options must be an object", "stream_options")
-        if body.get("stream_options") is not None and not stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+            fits_room(prompt, limit, max_tokens, self.engine.room(prompt), self.engine.scratch,
+                      self.engine.model.max_seq_length)
+        stream, usage_in_stream = stream_of(body)
         reuse, events = body.get("cache_prompt", True) is not False, asyncio.Queue()
-        if len(prompts) * n > self.engine.jobs.maxsize:
-            raise ApiError(400, f"{len(prompts) * n} choices (prompts x n) would never fit the queue of "
-                                f"{self.engine.jobs.maxsize} (--max_queue)", "n")
-        if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
-            raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
-                                "(or regex, grammar), not both", "tool_choice")
+        fits_queue(len(prompts) * n, self.engine.max_queue)
+        one_grammar(body, calls)
         constraint = self.call_constraint(tool_form, body["tools"], calls, grammar_start) if calls \
             else self.constraint_of(body, grammar_start)
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
                     reuse, loop, events, constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
-                    one_call=body.get("parallel_tool_calls") is False, reasoning=split_start, index=i * n + k)
+                    one_call=one_call, reasoning=split_start, index=i * n + k)
                 for i, prompt in enumerate(prompts) for k in range(n)]
-        return jobs, stream, bool(options.get("include_usage"))
+        return jobs, stream, usage_in_stream
 
     def reply_starts(self, body: dict, opening: str) -> tuple:
         """Where a chat prompt leaves the reply (reasoning.reply_start: thinking, may think, answering), read from
         the generation prompt alone (a <think> in a user's or a tool's text says nothing), None where the template
         never thinks or --reasoning_parser is none: once for the grammar, which starts where the thinking ends, and
         once for the split into reasoning_content and content, which separate_reasoning false turns off."""
-        separate = body.get("separate_reasoning")
-        if separate not in (None, True, False):
-            raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
+        separate = separate_reasoning_of(body)
         start = reasoning_start(self.reasoning_parser, self.template, opening)
         if separate and start is None:
             why = "--reasoning_parser none" if self.reasoning_parser == "none" else "the chat template never thinks"
@@ -137,11 +116,7 @@ class Requests:
         (reasoning_effort, verbosity) as its variables, and its tool call ids as the template takes them; the text the
         template adds for the reply, its generation prompt, where the template thinks, else ""); a log line for a
         hint the template never reads."""
-        tokenizer, kwargs = self.engine.tokenizer, body.get("chat_template_kwargs") or {}
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
-        if not isinstance(kwargs, dict) or reserved & kwargs.keys():
-            raise ApiError(400, f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}",
-                           "chat_template_kwargs")
+        tokenizer, kwargs = self.engine.tokenizer, template_kwargs_of(body)
         hints = {name: body[name] for name in TEMPLATE_HINTS if body.get(name) is not None}
         self.warn_once([name for name in hints if name not in self.template], "the chat template never reads it")
         if kwargs or hints:  # a copy of the tokenizer with these variables (no other request sees them)
@@ -185,49 +160,26 @@ class Requests:
             raise ApiError(400, str(e), "tools", "invalid_grammar")
 
     def prompts_of(self, prompt) -> list:
-        """A completion's prompt as token lists: a string, a list of strings, a list of token ids, or a list of such
-        lists (OpenAI's four shapes); several prompts are answered as choices in their order."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        ok = isinstance(prompt, list) and prompt
-        if ok and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt = [prompt]
-        if not ok or not all(p and (isinstance(p, str) or isinstance(p, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
-            raise ApiError(400, "prompt must be a non-empty string or token-id list, or a list of them", "prompt")
-        vocab = self.engine.model.args.vocab_size
-        for p in prompt:
-            if isinstance(p, list) and not all(0 <= t < vocab for t in p):
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        """A completion's prompt as token lists (fields.prompts_of: OpenAI's four shapes); several prompts are
+        answered as choices in their order."""
+        return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                for p in prompts_of(prompt, self.engine.model.args.vocab_size)]
 
     def constraint_of(self, body: dict, thinking: Optional[str]):
         """The request's grammar as a fresh grammar.Constraint (None: free text), started where the reply's thinking
         ends (thinking: the reply's start); 400 naming the field and the grammar engine's reason when it cannot be
         compiled."""
-        given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
-                 and body[name] != {"type": "text"}]
-        if not given:
+        field = grammar_field_of(body)  # checked there: one at most, of its kind
+        if field is None:
             return None
-        if len(given) > 1:
-            raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
-        name, value = given[0], body[given[0]]
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "json_object" \
-                and value.get("schema") is not None:  # llama.cpp's way to give a schema
-            value, name = value["schema"], "response_format.schema"
+        name, value = field
         try:
             if name == "response_format":
                 grammar = response_format_grammar(value)
             elif name in ("guided_json", "json_schema", "response_format.schema"):
-                if not isinstance(value, (dict, str)):
-                    raise EagletError(f"{name} must be a JSON schema (an object or its text)")
                 grammar = grammar_of("json_schema", value if isinstance(value, str) else json.dumps(value))
             elif name == "guided_choice":
-                if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-                    raise EagletError("guided_choice must be a non-empty list of non-empty strings")
                 grammar = grammar_of("lark", "start: " + " | ".join(json.dumps(c) for c in value))
-            elif not isinstance(value, str) or not value:
-                raise EagletError(f"{name} must be a non-empty string")
             else:
                 grammar = grammar_of("regex" if name.endswith("regex") else "lark", value)
             return self.compiled(grammar, thinking)  # None: response_format text

@@ -159,3 +159,125 @@ def call_of(i: int, call) -> dict:
         raise ApiError(400, f"messages[{i}].tool_calls: each must be {{\"id\", \"type\": \"function\", \"function\": "
                             '{"name", "arguments": a JSON object as text}}', "messages")
     return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def model_of(body: dict, model_ids: list):
+    """The request's model: one of the names this server answers to, or absent (the page's requests, and lenient
+    clients)."""
+    model = body.get("model")
+    if model is not None and model not in model_ids:
+        raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
+                            f"{', '.join(model_ids)}", "model", "model_not_found")
+    return model
+
+
+def one_call_of(body: dict) -> bool:
+    """parallel_tool_calls false: the reply's first call only."""
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    return body.get("parallel_tool_calls") is False
+
+
+def choices_of(prompts: int, n: int):
+    if prompts * n > MAX_CHOICES:
+        raise ApiError(400, f"{prompts} prompts x n {n} = {prompts * n} choices; at most {MAX_CHOICES}", "n")
+
+
+def max_tokens_of(body: dict) -> tuple:
+    """(the field that limits the reply, its value or None): max_completion_tokens where given, else max_tokens."""
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return limit, number(body, limit, None, 1, 1 << 31, integer=True)
+
+
+def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, scratch: int, slots: int):
+    """A prompt and the reply's limit fit the cache: room, what the cache's slots leave past the prompt and the draft
+    tree's scratch."""
+    if room < 1 or (max_tokens or 1) > room:
+        raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
+                            f"{len(prompt) + (max_tokens or 1) + scratch} slots with the draft tree's "
+                            f"scratch ({scratch}); the cache holds {slots}",
+                       limit, "context_length_exceeded")
+
+
+def stream_of(body: dict) -> tuple:
+    """(whether to stream, whether the stream ends with usage) of stream and stream_options."""
+    stream, options = body.get("stream", False), body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    if body.get("stream_options") is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+    return stream, bool(options.get("include_usage"))
+
+
+def fits_queue(choices: int, max_queue: int):
+    if choices > max_queue:
+        raise ApiError(400, f"{choices} choices (prompts x n) would never fit the queue of "
+                            f"{max_queue} (--max_queue)", "n")
+
+
+def one_grammar(body: dict, calls: Optional[list]):
+    """A forced tool call is a grammar itself: no other grammar field beside it."""
+    if calls and any(body.get(name) not in (None, {"type": "text"}) for name in GRAMMAR_FIELDS):
+        raise ApiError(400, "a tool_choice that forces a call is a grammar itself: give it or a response_format "
+                            "(or regex, grammar), not both", "tool_choice")
+
+
+def separate_reasoning_of(body: dict) -> Optional[bool]:
+    separate = body.get("separate_reasoning")
+    if separate not in (None, True, False):
+        raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
+    return separate
+
+
+def template_kwargs_of(body: dict) -> dict:
+    """chat_template_kwargs: the chat template's own variables, none of those the server sets."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+    if not isinstance(kwargs, dict) or reserved & kwargs.keys():
+        raise ApiError(400, f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}",
+                       "chat_template_kwargs")
+    return kwargs
+
+
+def prompts_of(prompt, vocab: int) -> list:
+    """A completion's prompt as a list of prompts, each a string or a list of token ids (OpenAI's four shapes: a
+    string, a list of strings, a list of token ids, or a list of such lists)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    ok = isinstance(prompt, list) and prompt
+    if ok and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]
+    if not ok or not all(p and (isinstance(p, str) or isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
+        raise ApiError(400, "prompt must be a non-empty string or token-id list, or a list of them", "prompt")
+    for p in prompt:
+        if isinstance(p, list) and not all(0 <= t < vocab for t in p):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    return prompt
+
+
+def grammar_field_of(body: dict) -> Optional[tuple]:
+    """(the grammar field given, its value) of a request (None: free text): one of them at most, its value of the
+    kind the field takes; llama.cpp's schema in response_format named response_format.schema."""
+    given = [name for name in GRAMMAR_FIELDS if body.get(name) is not None
+             and body[name] != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+    name, value = given[0], body[given[0]]
+    if name == "response_format" and isinstance(value, dict) and value.get("type") == "json_object" \
+            and value.get("schema") is not None:  # llama.cpp's way to give a schema
+        value, name = value["schema"], "response_format.schema"
+    if name in ("guided_json", "json_schema", "response_format.schema"):
+        if not isinstance(value, (dict, str)):
+            raise ApiError(400, f"{name} must be a JSON schema (an object or its text)", name.split(".")[0],
+                           "invalid_grammar")
+    elif name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, "guided_choice must be a non-empty list of non-empty strings", name, "invalid_grammar")
+    elif name != "response_format" and (not isinstance(value, str) or not value):
+        raise ApiError(400, f"{name} must be a non-empty string", name, "invalid_grammar")
+    return name, value

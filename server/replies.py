@@ -1,12 +1,12 @@
-"""The engine's results as OpenAI's replies: a whole chat.completion / text_completion object, or a stream's chunks
-(one per cycle, with what eaglet adds under "eaglet": the range its drafts made); a thinking reply's reasoning apart
-from its content (reasoning_content), tool calls read from the content, logprobs in the chat and the completions
-shapes, usage.
+"""The engine's results as OpenAI's replies, the one place OpenAI's objects are shaped: a whole chat.completion /
+text_completion object, or a stream's chunks (one per cycle, with what eaglet adds under "eaglet": the range its
+drafts made); a thinking reply's reasoning apart from its content (reasoning_content), tool calls read from the
+content, logprobs entries from the engine's raw scores in the chat and the completions shapes, usage from its counts.
 """
 import json
 
 from reasoning import ReasoningStream, split
-from serve_engine import Job
+from server.engine import Job
 from tool_calls import parse_calls, streamable
 
 
@@ -39,7 +39,8 @@ class StreamReply:
     def text(self, index: int, value: tuple) -> list:
         """A cycle's text: its chunk (with tools, the content up to where a call starts or may; the rest at the end;
         a thinking reply's reasoning as it comes, and where its reasoning and content begin in the reply's text)."""
-        text, start, marks, logprobs = value  # marks: the reply's characters from accepted drafts, forced
+        text, start, marks, scores = value  # marks: the reply's characters from accepted drafts, forced
+        logprobs = logprob_entries(scores)
         reasoning, where = "", {}
         if index in self.reasoning_streams:
             parts = self.reasoning_streams[index]
@@ -88,7 +89,8 @@ def whole_reply(jobs: list, done: dict, head: dict, chat: bool) -> dict:
     choices = []
     for index in sorted(done):
         reply = done[index]
-        logprobs, finish = reply["logprobs"], reply["finish_reason"]
+        finish, scores = reply["finish_reason"], reply["logprobs"]
+        logprobs = None if scores is None else logprob_entries(scores)
         if chat:
             reasoning, text = reply_parts(jobs[index], reply["text"])
             message = {"role": "assistant"} | ({} if jobs[index].reasoning is None else {"reasoning_content": reasoning})
@@ -103,6 +105,14 @@ def whole_reply(jobs: list, done: dict, head: dict, chat: bool) -> dict:
     stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage(jobs, done), "eaglet": stats}
+
+
+def logprob_entries(scores: list) -> list:
+    """OpenAI's chat logprobs entries of the engine's scores, (bytes, logprob, [(bytes, logprob), ...]) a token: the
+    token, its bytes, its logprob under the target and its likeliest alternatives."""
+    def entry(raw: bytes, logprob: float) -> dict:
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return [entry(raw, logprob) | {"top_logprobs": [entry(r, p) for r, p in top]} for raw, logprob, top in scores]
 
 
 def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
@@ -154,13 +164,12 @@ def usage(jobs: list, done: dict) -> dict:
         firsts.setdefault(id(job.prompt), job)
     prompts = firsts.values()
     prompt_tokens = sum(len(job.prompt) for job in prompts)
-    completion = sum(reply["usage"]["completion_tokens"] for reply in done.values())
-    cached = sum(done[job.index]["usage"]["prompt_tokens_details"]["cached_tokens"] for job in prompts)
-    details = [reply["usage"]["completion_tokens_details"] for reply in done.values()
-               if "completion_tokens_details" in reply["usage"]]
+    completion = sum(reply["completion_tokens"] for reply in done.values())
+    cached = sum(done[job.index]["cached_tokens"] for job in prompts)
+    thinking = [reply["reasoning_tokens"] for reply in done.values() if reply["reasoning_tokens"] is not None]
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}} | (
-        {"completion_tokens_details": {"reasoning_tokens": sum(d["reasoning_tokens"] for d in details)}} if details else {})
+        {"completion_tokens_details": {"reasoning_tokens": sum(thinking)}} if thinking else {})
 
 
 def reply_parts(job: Job, text: str) -> tuple:
