@@ -1,13 +1,13 @@
 """A plain decoding step at context 256 in a 512-slot and an 8192-slot cache (random weights of a mid-size LLaMA,
 eager, CPU): with attention over the filled slots only the two cost the same; over the whole cache they do not.
 
-    python scripts/cache_size_bench.py
+    python scripts/experiments/cache_size_bench.py
 """
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cli import cli_parser  # noqa: E402
 
 if __name__ == "__main__":
