@@ -24,6 +24,23 @@ CALIBRATION_TOKENS = 64
 # LLaMA-3-8B the lm_head a draft pass reads shrinks from 1.05 GB to 0.27 GB; the SmolLM2 head's tau did not move at
 # 32,768 of its 49,152 ids (BENCHMARKS.md).
 DRAFT_VOCAB_ABOVE, DEFAULT_DRAFT_VOCAB = 65536, 32768
+# bench.py's --model and the scripts' --shape, here so that their --help can list them (measure.py builds them).
+SHAPES = {  # Hugging Face config fields of well-known models, for random-weight timing runs
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32),
+    "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40),
+    "llama2-70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0),
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -60,7 +60,7 @@ def linears(target, x, device, repeats: int) -> dict:
     """Each linear layer of the first block (and the lm_head): bit equality of row j, then the one-row call's time
     beside the same row computed as a padded many-row call (which rounds as the verify does)."""
     import torch
-    import bench
+    import measure
     block = target.layers[0]
     layers = {"wqkv": (block.attention.wqkv, x), "wo": (block.attention.wo, x),
               "w13": (block.feed_forward.w13, x), "lm_head": (target.output, x)}
@@ -73,8 +73,8 @@ def linears(target, x, device, repeats: int) -> dict:
             ones = [layer(rows[j:j + 1]) for j in range(rows.shape[0])]
             padded = torch.zeros_like(rows)
             padded[0] = rows[0]
-            one_s, _ = bench.timed(lambda: layer(rows[:1]), repeats, device)
-            padded_s, _ = bench.timed(lambda: layer(padded), repeats, device)
+            one_s, _ = measure.timed(lambda: layer(rows[:1]), repeats, device)
+            padded_s, _ = measure.timed(lambda: layer(padded), repeats, device)
             out[name] = compare(many, ones) | {
                 "padded_row_equal": bool((layer(padded)[0] == many[0]).all()),
                 "one_row_us": one_s * 1e6, "padded_us": padded_s * 1e6, "shape": list(layer.weight.shape)}
@@ -143,18 +143,18 @@ def markdown(results: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    import bench
+    import measure
     from load import pick_device
     device = pick_device(args.device)
     dtype = torch.bfloat16
     args.out.mkdir(parents=True)
     torch.manual_seed(0)
-    target, _ = bench.random_models(args.shape, device, dtype, args.context + args.rows + 8)
+    target, _ = measure.random_models(args.shape, device, dtype, args.context + args.rows + 8)
     x = torch.randn(args.rows, target.args.dim, device=device, dtype=dtype)
     tokens = torch.randint(0, target.args.vocab_size, (1, args.context + args.rows), device=device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = {"setup": {"shape": args.shape, "device_name": name, "date": time.strftime("%Y-%m-%d"),
-                         "commit": args.commit or bench.git_commit(), "dtype": "bf16", "rows": args.rows, "context": args.context,
+                         "commit": args.commit or measure.git_commit(), "dtype": "bf16", "rows": args.rows, "context": args.context,
                          "command": "python " + " ".join(sys.argv if argv is None else ["scripts/bf16_rows.py", *argv])},
                "settings": {}}
     for setting, value in SETTINGS.items():

@@ -38,7 +38,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import bench  # noqa: E402
+import measure  # noqa: E402
 from load import PRECISIONS  # noqa: E402
 from decode import decode_one_token  # noqa: E402
 from sampling import SamplingConfig  # noqa: E402
@@ -76,8 +76,8 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = {"model_type": "llama", "max_position_embeddings": 8192, **bench.SHAPES[SHAPE]}
-    source = bench.random_module(Transformer, ModelArgs.from_hf_config(config), "cpu", torch.float32)
+    config = {"model_type": "llama", "max_position_embeddings": 8192, **measure.SHAPES[SHAPE]}
+    source = measure.random_module(Transformer, ModelArgs.from_hf_config(config), "cpu", torch.float32)
     for fmt in args.formats:
         try:
             target = target_in(fmt, source, PRECISIONS[args.precision])

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench  # noqa: E402
+import measure  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from decode import TreeConfig, decode_one_token, generate, prefill, speculative_cycle  # noqa: E402
 from sampling import SamplingConfig  # noqa: E402
@@ -44,7 +44,7 @@ from tokenizer import Tokenizer  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n"]
-# the demo's heads by folder; "random KIND": bench.random_head's head of that kind on the demo target (seed 0)
+# the demo's heads by folder; "random KIND": measure.random_head's head of that kind on the demo target (seed 0)
 HEADS = {"EAGLE-2": "head", "EAGLE-3": "head3", "DFlash": "dflash", "DSpark": "dspark", "DFlash2": "dflash2",
          "P-EAGLE": "random peagle", "XPress": "random xpress"}
 CHAIN, TREE16 = TreeConfig(6, 1, 8), TreeConfig(6, 4, 16)
@@ -181,7 +181,7 @@ class Engine:
             if where.startswith("random "):
                 torch.manual_seed(0)
                 weight = self.target.tok_embeddings.weight
-                self.heads[name] = bench.random_head(where.split()[1], self.target, weight.device, weight.dtype)
+                self.heads[name] = measure.random_head(where.split()[1], self.target, weight.device, weight.dtype)
             else:
                 self.heads[name] = load_draft(DEMO_DIR / where / "draft.pth", self.target, "full")
             self.heads[name].setup_caches(CACHE, self.rows)

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli import cli_parser, int_flag  # noqa: E402
 
-# name: (bench.random_head's kind, the tree: None for a chain of the head's whole block, else (topk, total tokens)), the
+# name: (measure.random_head's kind, the tree: None for a chain of the head's whole block, else (topk, total tokens)), the
 # newer drafters first (a row starting late in the budget is cut). The EAGLE-2 head drafts over the whole vocabulary.
 ROWS = {"P-EAGLE chain": ("peagle", None), "DFlash2 chain": ("dflash2", None), "XPress chain": ("xpress", None),
         "DFlash chain": ("dflash", None), "EAGLE-2 60/6/10 whole vocabulary": ("eagle", (10, 60)),
@@ -47,18 +47,18 @@ def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
     import torch
-    import bench
+    import measure
     from decode import TreeConfig
     from load import PRECISIONS, pick_device
     device = pick_device(args.device)
     dtype = PRECISIONS["bf16" if device == "cuda" else "fp32"]
     torch.manual_seed(0)
-    target, _ = bench.random_models(args.shape, device, dtype, 2048)
-    copy_bw = bench.copy_bandwidth(device)
-    plain = bench.bench_plain(target, True, copy_bw, args.repeats)
+    target, _ = measure.random_models(args.shape, device, dtype, 2048)
+    copy_bw = measure.copy_bandwidth(device)
+    plain = measure.bench_plain(target, True, copy_bw, args.repeats)
     args.out.mkdir(parents=True)
     results = {"setup": {"shape": args.shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
-                         "precision": str(dtype), "commit": args.commit or bench.git_commit(), "date": time.strftime("%Y-%m-%d"),
+                         "precision": str(dtype), "commit": args.commit or measure.git_commit(), "date": time.strftime("%Y-%m-%d"),
                          "command": "python scripts/drafter_cycles.py " + " ".join(sys.argv[1:] if argv is None else argv),
                          "copy_GB_per_s": copy_bw / 1e9},
                "plain": plain, "rows": {}}
@@ -88,13 +88,13 @@ def main(argv=None):
             torch._dynamo.reset()
             if kind not in heads:
                 heads.clear()  # one random head at a time on the device
-                heads[kind] = bench.random_head(kind, target, device, dtype)
+                heads[kind] = measure.random_head(kind, target, device, dtype)
                 heads[kind].setup_caches(2048)
             draft = heads[kind]
             target.set_feature_layers(draft.feature_layers)
             depth = 6 if kind == "eagle" else draft.default_depth
             tree = TreeConfig(depth, *shape) if shape else TreeConfig(depth, 1, depth + 2)
-            cycle = bench.bench_cycle(target, draft, tree, True, args.repeats, plain["step_ms"] / 1e3, copy_bw,
+            cycle = measure.bench_cycle(target, draft, tree, True, args.repeats, plain["step_ms"] / 1e3, copy_bw,
                                       phases=False)
             whole = cycle["phases"]["whole cycle"]
             results["rows"][name] = {"tree": [tree.depth, tree.topk, tree.total_tokens], **cycle}

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import measure  # noqa: E402
 import cuda_exact  # noqa: E402
 import decode  # noqa: E402
 import generate  # noqa: E402
@@ -104,7 +104,7 @@ class Report:
 
     def write(self):
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
-        lines = [f"# GPU check ({time.strftime('%Y-%m-%d')}, commit {bench.git_commit()})", ""]
+        lines = [f"# GPU check ({time.strftime('%Y-%m-%d')}, commit {measure.git_commit()})", ""]
         for name, value in self.results.items():
             lines += [f"## {name}", "", "```", json.dumps(value, indent=1, default=str)[:30000], "```", ""]
         (self.out / "results.md").write_text("\n".join(lines))
@@ -114,7 +114,7 @@ def environment(device: str) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
-    env["copy_GB_per_s"] = bench.copy_bandwidth(device) / 1e9
+    env["copy_GB_per_s"] = measure.copy_bandwidth(device) / 1e9
     return env
 
 
@@ -215,7 +215,7 @@ def cache_size_check(target, n_ctx: int = 256, repeats: int = 50) -> dict:
         step = compile_step(decode_one_token, device)
         token, pos = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([n_ctx], device=device)
         with torch.no_grad():
-            seconds, recompiles = bench.timed(lambda: step(target, token, pos, GREEDY), repeats, device)
+            seconds, recompiles = measure.timed(lambda: step(target, token, pos, GREEDY), repeats, device)
         rows[f"{size} slots"] = {"step_ms": seconds * 1e3, "recompiles_after_warmup": recompiles}
     first, last = (rows[f"{s} slots"]["step_ms"] for s in (sizes[0], sizes[-1]))
     rows["largest_over_smallest"] = last / first
@@ -276,17 +276,17 @@ def measure_format(source: Transformer, draft, fmt: str, copy_bw: float, prompt:
         # same as with the whole vocabulary: this measures FR-Spec's cost, not its effect on acceptance
         draft.restrict_vocab(target, torch.arange(args.draft_vocab))  # rows of this format's lm_head
         out["draft_vocab"] = args.draft_vocab
-    out["plain"] = bench.bench_plain(target, True, copy_bw, args.repeats)
+    out["plain"] = measure.bench_plain(target, True, copy_bw, args.repeats)
     if args.plain_only:
         return out
     device = str(target.output.weight.device)
     if first and not args.skip_cycle_table:
         step_s = out["plain"]["step_ms"] / 1e3
-        out["cycle"] = bench.bench_cycle(target, draft, tree, True, args.repeats, step_s, copy_bw)
+        out["cycle"] = measure.bench_cycle(target, draft, tree, True, args.repeats, step_s, copy_bw)
     step_fns = {"plain": compile_step(decode_one_token, device),
                 "spec": compile_step(speculative_cycle, device)}
     with_hf = first and args.hf and target.quantization is None
-    out["side_by_side"] = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, with_hf, prompt)
+    out["side_by_side"] = measure.side_by_side(target, draft, tree, step_fns, args.side_tokens, with_hf, prompt)
     out["EAGLE-2"] = eagle_bytes(target, draft, tree, out["side_by_side"])
     timings = []
     out["total_tokens_auto"] = tune.pick_total_tokens(target, tree, log=timings.append)
@@ -305,10 +305,10 @@ def measure_eagle3(source: Transformer, draft3, fmt: str, plain_step_s: float, c
     device = str(target.output.weight.device)
     out = {"feature_layers": list(draft3.feature_layers), "draft_vocab": draft3.vocab_size}
     if first and not args.skip_cycle_table:
-        out["cycle"] = bench.bench_cycle(target, draft3, tree, True, args.repeats, plain_step_s, copy_bw)
+        out["cycle"] = measure.bench_cycle(target, draft3, tree, True, args.repeats, plain_step_s, copy_bw)
     step_fns = {"plain": compile_step(decode_one_token, device),
                 "spec": compile_step(speculative_cycle, device)}
-    side = bench.side_by_side(target, draft3, tree, step_fns, args.side_tokens, False, prompt)
+    side = measure.side_by_side(target, draft3, tree, step_fns, args.side_tokens, False, prompt)
     out["end_to_end"] = eagle_bytes(target, draft3, tree, side)
     out["side_by_side"] = {"eaglet EAGLE-3" if name == "eaglet EAGLE-2" else name: row for name, row in side.items()}
     return out
@@ -320,7 +320,7 @@ def measure_dflash(source: Transformer, fmt: str, plain_step_s: float, copy_bw: 
     depth, beside EAGLE-2's (random weights: tau means nothing; the cycle's cost is what is measured)."""
     target = format_ready(source, fmt, args)
     device = target.output.weight.device
-    draft = bench.random_dflash(target, device, target.tok_embeddings.weight.dtype)
+    draft = measure.random_dflash(target, device, target.tok_embeddings.weight.dtype)
     draft.setup_caches(args.max_seq_length)
     out = {"feature_layers": list(draft.feature_layers), "block_size": draft.block_size, "layers": draft.args.n_layer}
     for i, (name, tree) in enumerate((("chain", TreeConfig(14, 1, 16)), ("tree", TreeConfig(14, 4, 32)))):
@@ -333,7 +333,7 @@ def timed_cycle(target, draft, tree: TreeConfig, plain_step_s: float, copy_bw: f
     a graph to compile: the rest get the whole cycle), none at all once --budget_s is spent."""
     if time.perf_counter() > args.deadline:
         return {"skipped": f"time budget of {args.budget_s} s spent"}
-    return bench.bench_cycle(target, draft, tree, True, args.repeats, plain_step_s, copy_bw, phases=phases)
+    return measure.bench_cycle(target, draft, tree, True, args.repeats, plain_step_s, copy_bw, phases=phases)
 
 
 def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> dict:
@@ -349,7 +349,7 @@ def measure_dflash_demo(source: Transformer, fmt: str, prompt: list, args) -> di
     step_fns = {"plain": compile_step(decode_one_token, device),
                 "spec": compile_step(speculative_cycle, device)}
     for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 16", TreeConfig(6, 4, 16))):
-        side = bench.side_by_side(target, head, tree, step_fns, args.side_tokens, False, prompt)
+        side = measure.side_by_side(target, head, tree, step_fns, args.side_tokens, False, prompt)
         out[name] = eagle_bytes(target, head, tree, side)
     return out
 
@@ -364,8 +364,8 @@ def measure_dspark(source: Transformer, fmt: str, plain_step_s: float, copy_bw: 
     target = format_ready(source, fmt, args)
     device, dtype = target.output.weight.device, target.tok_embeddings.weight.dtype
     out = {}
-    for kind, draft in (("DSpark", bench.random_dflash(target, device, dtype, block_size=7, markov_rank=256)),
-                        ("DFlash", bench.random_dflash(target, device, dtype))):
+    for kind, draft in (("DSpark", measure.random_dflash(target, device, dtype, block_size=7, markov_rank=256)),
+                        ("DFlash", measure.random_dflash(target, device, dtype))):
         draft.setup_caches(args.max_seq_length)
         for name, tree in (("chain 8", TreeConfig(6, 1, 8)), ("tree 32", TreeConfig(6, 4, 32))):
             out[f"{kind} {name}"] = timed_cycle(target, draft, tree, plain_step_s, copy_bw, args, phases=not out)
@@ -410,7 +410,7 @@ def measure_shape(report: Report, name: str, shape: dict, device: str, dtype, pr
     draft3 = inflate_head3(DEMO_DIR, source)[0] if args.eagle3 else None
     if draft3 is not None:
         draft3.setup_caches(args.max_seq_length)
-    copy_bw = bench.copy_bandwidth(device)
+    copy_bw = measure.copy_bandwidth(device)
     rows = {}
     for i, fmt in enumerate(args.formats):
         result = report.section(f"{name} {fmt} (inflated demo)", measure_format, source, draft, fmt, copy_bw, prompt,
@@ -536,7 +536,7 @@ def int4_13b(device: str, dtype, prompt: list, args) -> dict:
     tree = TreeConfig(args.depth, args.tree_topk, args.total_tokens)
     step_fns = {"plain": compile_step(decode_one_token, device),
                 "spec": compile_step(speculative_cycle, device)}
-    side = bench.side_by_side(target, draft, tree, step_fns, args.side_tokens, False, prompt)
+    side = measure.side_by_side(target, draft, tree, step_fns, args.side_tokens, False, prompt)
     peak = torch.cuda.max_memory_allocated()
     weights_gb = weight_bytes(target) / 1e9
     plain_tps = side["eaglet plain"]["tokens_per_s"]
@@ -710,7 +710,7 @@ def main(argv=None):
     report = Report(args.out, args.budget_s)
     args.deadline = report.t0 + args.budget_s  # sections of several configurations stop inside themselves too
     report.results["setup"] = {"command": "python " + " ".join(sys.argv if argv is None else ["scripts/gpu_check.py", *argv]),
-                               "date": time.strftime("%Y-%m-%d"), "commit": bench.git_commit(),
+                               "date": time.strftime("%Y-%m-%d"), "commit": measure.git_commit(),
                                "coordinate_descent_tuning": args.coordinate_descent, "precision": str(dtype),
                                "flex_attention": attention.FLEX_ATTENTION, "draft_vocab": args.draft_vocab or "all",
                                "formats": args.formats, "eagle3": args.eagle3, "dflash": args.dflash, "dspark": args.dspark,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import SHAPES  # noqa: E402
+from measure import SHAPES  # noqa: E402
 from cli import cli_parser  # noqa: E402
 from quantize import GROUPSIZES  # noqa: E402
 

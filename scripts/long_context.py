@@ -145,7 +145,7 @@ def run_shapes(args, lengths: list, cases: list, chunk: int):
     """Every case on random weights of args.shape, in this process (see the module's docstring): one target and head
     with a cache for the longest prompt, so every length runs the same compiled graphs. Yields each case's row."""
     import torch
-    from bench import SHAPES, random_models
+    from measure import SHAPES, random_models
     from decode import TreeConfig, decode_one_token, device_sync, generate, speculative_cycle
     from sampling import SamplingConfig
     from graphs import compile_settings, compile_step

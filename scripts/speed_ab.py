@@ -62,7 +62,7 @@ def parse_args(argv=None):
 
 def setup(args):
     import torch
-    import bench
+    import measure
     from gpu_check import SHAPES
     from inflate_demo import DEMO_DIR, inflate
     from load import PRECISIONS, pick_device
@@ -75,13 +75,13 @@ def setup(args):
     draft.setup_caches(2048)
     target.set_feature_layers(draft.feature_layers)
     prompt = Tokenizer(DEMO_DIR / "target").encode("def read_lines(path):\n")
-    return target, draft, prompt, device, bench.copy_bandwidth(device)
+    return target, draft, prompt, device, measure.copy_bandwidth(device)
 
 
 def measure(target, draft, prompt, device, name, args, plain_tokens):
     import torch
     import attention
-    import bench
+    import measure
     import decode
     import graphs as step_graphs  # (graphs: a row's name for them, below)
     from decode import TreeConfig, generate
@@ -102,14 +102,14 @@ def measure(target, draft, prompt, device, name, args, plain_tokens):
     generate(target, prompt, 16, GREEDY, step_fn=fn, **kwargs)  # compilation, graph capture
     compile_s = time.perf_counter() - t0
     result = generate(target, prompt, args.tokens, GREEDY, step_fn=fn, **kwargs)
-    root, ctx_len, h_last = bench.start_state(target, draft if speculative else None)
+    root, ctx_len, h_last = measure.start_state(target, draft if speculative else None)
     with torch.no_grad():
         if speculative:
             call = lambda: fn(target, draft, root, ctx_len, h_last, tree, GREEDY)  # noqa: E731
         else:
             read = {} if device == "cuda" else {"filled": int(ctx_len) + 1}
             call = lambda: fn(target, root.view(1, 1), ctx_len.view(1), GREEDY, **read)  # noqa: E731
-        call_s, recompiles = bench.timed(call, args.repeats, device)
+        call_s, recompiles = measure.timed(call, args.repeats, device)
     calls = len(result.accept_lengths) if speculative else len(result.tokens) - 1
     decode_s = result.seconds - result.first_token_seconds
     row = {"tokens_per_s": result.tokens_per_s, "decode_tokens_per_s": result.decode_tokens_per_s,
@@ -167,7 +167,7 @@ def markdown(results: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    import bench
+    import measure
     from model import EagletError
     args.out.mkdir(parents=True)
     args.timeline, args.timeline_done = True, False
@@ -177,7 +177,7 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     results = {"setup": {"shape": args.shape, "device_name": name, "date": time.strftime("%Y-%m-%d"),
-                         "commit": args.commit or bench.git_commit(), "tokens": args.tokens, "copy_GB_per_s": copy_bw / 1e9,
+                         "commit": args.commit or measure.git_commit(), "tokens": args.tokens, "copy_GB_per_s": copy_bw / 1e9,
                          "command": "python " + " ".join(sys.argv if argv is None else ["scripts/speed_ab.py", *argv])},
                "rows": {}}
     t0, plain_tokens = time.perf_counter(), None

@@ -13,6 +13,7 @@ import torch
 
 import bench
 import generate
+import measure
 from cli import DEMO_PROMPT
 import decode
 from decode import speculative_cycle
@@ -51,7 +52,7 @@ def test_hf_twin_reproduces_our_logits(checkpoints, kind):
     ids, pos = torch.tensor([[1, 17, 5, 88, 42, 9, 63, 30]]), torch.arange(8)
     with torch.no_grad():
         ours, _ = target(ids, pos, pos, causal_mask(pos, 16))
-        want = bench.hf_twin(target)(ids).logits
+        want = measure.hf_twin(target)(ids).logits
     assert (ours - want).abs().max() < 1e-4 * want.abs().max()
 
 
@@ -62,7 +63,7 @@ def test_hf_twin_refuses_a_weight_left_out_of_the_export(checkpoints, monkeypatc
         k: v for k, v in export_layer(*a).items() if not k.endswith("layers.1.mlp.up_proj.bias")})
     target = load_target(checkpoints("llama_bias")[0] / "model.pth", "cpu", "fp32")
     with pytest.raises(EagletError, match=r"missing \['model.layers.1.mlp.up_proj.bias'\], unexpected \[\]"):
-        bench.hf_twin(target)
+        measure.hf_twin(target)
 
 
 def test_kernel_table_counts_what_a_call_runs():
@@ -73,7 +74,7 @@ def test_kernel_table_counts_what_a_call_runs():
         torch.mm(b, a)
         torch.softmax(a, dim=-1)
 
-    table = bench.kernel_table(call, "cpu", calls=4)
+    table = measure.kernel_table(call, "cpu", calls=4)
     assert "error" not in table, table  # the profiler failed (kernel_table keeps its message)
     rows = {row["name"]: row for row in table["top"]}
     assert table["unit"].startswith("CPU") and rows["aten::mm"]["per_call"] == 2
@@ -201,7 +202,7 @@ def test_gpu_check_formats_side_by_side_and_linear_kernels_on_cpu(tmp_path, monk
     monkeypatch.setitem(gpu_check.SHAPES, "small-test", dict(
         vocab_size=4096, hidden_size=320, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, max_position_embeddings=1024))  # wider heads: DFlash's q/k norms
-    for module in (bench, generate):
+    for module in (measure, generate):
         monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
     formats = ["bf16", "int8", "int4.g32"]
     gpu_check.main(["--skip_checks", "--device", "cpu", "--shapes", "small-test", "--formats", ",".join(formats),
@@ -322,7 +323,7 @@ def test_draft_vocab_full_reaches_the_head(pair):
         args.draft_vocab = vocab
         target, draft = bench.load_models(args, "cpu")
         assert bench.draft_vocab_used(args, target, draft)["text"] == text
-        floors[vocab] = bench.cycle_bytes(target, draft, tree, 128)["cycle"]
+        floors[vocab] = measure.cycle_bytes(target, draft, tree, 128)["cycle"]
     assert floors["full"] - floors[None] == (tree.depth + 1) * (64 - VOCAB_KEPT) * 64 * 4  # rows of 64 fp32
 
 
@@ -438,7 +439,7 @@ def test_profiler_markers_leave_stderr_and_other_lines_stay(capfd):
         torch.mm(a, a)
         os.write(2, b"a real error\n")  # below Python, where kineto writes too
 
-    table = bench.kernel_table(call, "cpu", calls=2)
+    table = measure.kernel_table(call, "cpu", calls=2)
     err = capfd.readouterr().err
     assert "USDT" not in err and err.count("a real error") == 2 and "error" not in table
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._inductor import metrics
 
-import bench
+import measure
 from draft import EagleDraft
 from batch import generate_batch
 from decode import TreeConfig, decode_one_token, generate, speculative_cycle
@@ -48,11 +48,11 @@ def kernel_sizes():
 def models(rows: int = 1, mode: str = ""):
     torch.manual_seed(0)
     args = ModelArgs.from_hf_config(CONFIG)
-    target = bench.random_module(Transformer, args, "cpu", torch.float32)
+    target = measure.random_module(Transformer, args, "cpu", torch.float32)
     if mode:
         target = Transformer.from_state_dict(args, quantize_state_dict(target.state_dict(), mode, 32))
     target.setup_caches(rows, SLOTS)
-    draft = bench.random_module(EagleDraft, args, "cpu", torch.float32)
+    draft = measure.random_module(EagleDraft, args, "cpu", torch.float32)
     draft.setup_caches(SLOTS, rows)
     return target, draft
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attention import boolean_mask
-from bench import random_models
+from measure import random_models
 from conftest import make_context_pair
 from convert_hf_checkpoint import convert
 from decode import TreeConfig, draft_start, generate, prefill

@@ -144,14 +144,14 @@ def test_gpu_check_eagle3_runs_on_cpu(tmp_path, monkeypatch):
     layers moved, its draft vocabulary padded): after EAGLE-2's section, the EAGLE-3 cycle phase by phase and
     end to end in its own, lossless, with the demo head3's tau. The steps run eagerly (compile_step patched out) and the
     profiler's kernel tables are left out, to keep it short: test_bench.py's formats test runs those."""
-    import bench
     import gpu_check
+    import measure
     monkeypatch.setitem(gpu_check.SHAPES, "small-test", dict(
         vocab_size=5000, hidden_size=320, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=1024))
-    for module in (bench, generate):
+    for module in (measure, generate):
         monkeypatch.setattr(module, "compile_step", lambda step_fn, device: step_fn)
-    monkeypatch.setattr(bench, "kernel_table", lambda fn, device: {})
+    monkeypatch.setattr(measure, "kernel_table", lambda fn, device: {})
     gpu_check.main(["--skip_checks", "--device", "cpu", "--shapes", "small-test", "--formats", "bf16", "--eagle3",
                     "--out", str(tmp_path / "g"), "--repeats", "1", "--side_tokens", "12", "--depth", "2",
                     "--tree_topk", "3", "--total_tokens", "8", "--max_seq_length", "256"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench import random_models
+from measure import random_models
 from batch import generate_batch
 from decode import TreeConfig, draft_start, generate, prefill
 from sampling import SamplingConfig

@@ -217,12 +217,12 @@ def test_compiled_cycle_under_torchrun_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_bench_reports_weights_per_rank_and_collectives(tmp_path):
-    import bench
+    import measure
     run = torchrun(2, ["bench.py", "--model", "tiny", "--repeats", "2", "--side_tokens", "8", "--out",
                        str(tmp_path / "b")])
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "b.json").read_text())
-    shape = bench.SHAPES["tiny"]
+    shape = measure.SHAPES["tiny"]
     dim, heads, kv, inter, layers = (shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                                           "intermediate_size", "num_hidden_layers"))
     head_dim = dim // heads

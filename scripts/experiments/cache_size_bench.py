@@ -1,13 +1,13 @@
 """A plain decoding step at context 256 in a 512-slot and an 8192-slot cache (random weights of a mid-size LLaMA,
 eager, CPU): with attention over the filled slots only the two cost the same; over the whole cache they do not.
 
-    python scripts/cache_size_bench.py
+    python scripts/experiments/cache_size_bench.py
 """
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cli import cli_parser  # noqa: E402
 
 if __name__ == "__main__":
@@ -15,7 +15,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import bench  # noqa: E402
+import measure  # noqa: E402
 from decode import decode_one_token  # noqa: E402
 from sampling import SamplingConfig  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
@@ -38,7 +38,7 @@ def median_step_ms(target: Transformer, **kwargs) -> float:
 
 def main():
     torch.manual_seed(0)
-    target = bench.random_module(Transformer, ModelArgs.from_hf_config(CONFIG), "cpu", torch.float32)
+    target = measure.random_module(Transformer, ModelArgs.from_hf_config(CONFIG), "cpu", torch.float32)
     ms = {}
     for size in (512, 8192):
         target.setup_caches(1, size)

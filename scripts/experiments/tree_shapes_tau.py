@@ -2,14 +2,15 @@
 prompts: 40 x 64 tokens, greedy and temperature 1, greedy output checked against plain): a DFlash head's chain
 against its trees at equal verify size, beside the EAGLE heads.
 
-    python scripts/tree_shapes_tau.py --heads demo/dflash demo/head --trees 6/1/8 6/2/8 6/4/8 6/4/32 6/10/60
+    python scripts/experiments/tree_shapes_tau.py --heads demo/dflash demo/head --trees 6/1/8 6/2/8 6/4/8 6/4/32 6/10/60
 """
 import json
 import sys
 from argparse import ArgumentTypeError
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: make_demo
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cli import cli_parser, int_flag  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--heads", nargs="+", type=Path, required=True, help="head folders (with draft.pth) of the demo target")
     p.add_argument("--trees", nargs="+", type=tree_flag, required=True, help="depth/top-k/total_tokens each")
-    p.add_argument("--demo", type=Path, default=Path(__file__).resolve().parents[1] / "demo", help="the demo folder")
+    p.add_argument("--demo", type=Path, default=Path(__file__).resolve().parents[2] / "demo", help="the demo folder")
     p.add_argument("--prompts", type=int_flag(1), default=40, help="held-out prompts")
     args = p.parse_args(argv)
     import make_demo
