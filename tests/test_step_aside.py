@@ -3,6 +3,8 @@ plain steps and tries cycles again later. The switches happen between calls, so 
 and sampling keeps the target's law. Time is a fake clock here (cycles made to look slow or fast), never measured."""
 from collections import Counter
 
+import math
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ TREE = TreeConfig(depth=3, topk=3, total_tokens=10)
 def fake_clock(cycle_seconds: float, step_seconds: float = 1.0):
     """A StepAside whose clock advances by cycle_seconds after a cycle and step_seconds after a plain step."""
     now = [0.0]
-    gate = StepAside(retry_after=6, trial_cycles=2, probe_steps=3)
+    gate = StepAside(retry_after=6, trial_cycles=2, probe_steps=3, share=math.inf)  # no share: trials by the wait alone
 
     def clock():
         now[0] += cycle_seconds if gate.speculating else step_seconds
@@ -72,7 +74,7 @@ def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair, monkeypat
     monkeypatch.setattr(decode, "catch_up_plain", lambda *a, **k: reads.append(a[3]) or catch_up_plain(*a, **k))
     gate = fake_clock(cycle_seconds=1.2)  # three cycles, three plain steps timing a step, then cycles again
     run = generate(model, prompt(3), 60, GREEDY, draft=draft, tree=TREE, step_aside=gate)
-    before = gate.trial_cycles + 1
+    before = gate.trial_cycles  # a generation's first cycle carries no switch: timed
     resumed_at = 1 + sum(run.accept_lengths[:before]) + gate.probe_steps  # the root cycles resume from is tokens[-1]
     assert reads == [len(prompt(3)) + resumed_at - 1 - gate.probe_steps]  # the head stopped where the steps began
     fresh = generate(model, prompt(3) + run.tokens[:resumed_at - 1], 60 - resumed_at + 1, GREEDY, draft=draft,
@@ -80,6 +82,21 @@ def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair, monkeypat
     assert run.plain_tokens == gate.probe_steps and len(run.accept_lengths) > before + 3
     assert fresh.tokens == run.tokens[resumed_at - 1:]
     assert fresh.accept_lengths == run.accept_lengths[before:]
+
+
+def test_a_head_that_never_pays_costs_at_most_its_share_of_a_256_token_reply(pair):
+    """Cycles of 9 plain steps' time that never pay (StepAside's defaults, 5% share): past the first judgement's
+    cycle, what the cycles cost beyond the plain steps they replaced stays within 5% of all the time, the trial
+    that would break it deferred; a longer reply runs trials again, within the same share."""
+    model, draft = pair
+    for tokens in (256, 380):  # 380: as many as the cache holds
+        now, gate = [0.0], StepAside()
+        gate.clock = lambda: now.__setitem__(0, now[0] + (9.0 if gate.speculating else 1.0)) or now[0]
+        run = generate(model, prompt(4, 8), tokens, GREEDY, draft=draft, tree=TREE, step_aside=gate)
+        first = 9.0 - run.accept_lengths[0]  # the first judgement: one timed cycle, nothing known before it
+        beyond = gate.beyond_plain(gate.cycle_total, gate.cycle_tokens)
+        assert len(run.tokens) == tokens and beyond - first <= gate.share * gate.elapsed, (beyond, gate.elapsed)
+        assert (len(run.accept_lengths) > 1) == (tokens > 256), run.accept_lengths  # trials resume only when affordable
 
 
 def test_a_gate_that_switches_every_call_keeps_the_sampled_law(tmp_path):
