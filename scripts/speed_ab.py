@@ -78,7 +78,7 @@ def setup(args):
     return target, draft, prompt, device, measure.copy_bandwidth(device)
 
 
-def measure(target, draft, prompt, device, name, args, plain_tokens):
+def measure_row(target, draft, prompt, device, name, args, plain_tokens):
     import torch
     import attention
     import measure
@@ -187,7 +187,7 @@ def main(argv=None):
         else:
             print(f"== {row}", flush=True)
             try:
-                results["rows"][row] = measure(target, draft, prompt, device, row, args, plain_tokens)
+                results["rows"][row] = measure_row(target, draft, prompt, device, row, args, plain_tokens)
                 plain_tokens = plain_tokens or results["rows"][row]["tokens"]
             except Exception as e:  # the next row may still measure something
                 results["rows"][row] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}

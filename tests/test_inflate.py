@@ -90,9 +90,10 @@ def test_inflated_folder_runs_through_the_cli(tmp_path, capsys):
     assert config["hidden_size"] == 512 and config["tokenizer_vocab_size"] == 4096
     out = tmp_path / "out.json"
     generate.main(["--checkpoint_path", str(tmp_path / "big" / "target" / "model.pth"), "--draft_checkpoint_path",
-                   str(tmp_path / "big" / "head" / "draft.pth"), "--max_new_tokens", "24", "--json_out", str(out)])
+                   str(tmp_path / "big" / "head" / "draft.pth"), "--max_new_tokens", "24", "--json_out", str(out),
+                   "--step_aside", "off"])  # the accepted lengths of every cycle, not where the clock says to step aside
     demo_out = tmp_path / "demo.json"
-    generate.main(["--max_new_tokens", "24", "--json_out", str(demo_out)])
+    generate.main(["--max_new_tokens", "24", "--json_out", str(demo_out), "--step_aside", "off"])
     big, small = read_generation(out), read_generation(demo_out)
     assert big["tokens"] == small["tokens"] and big["accept_lengths"] == small["accept_lengths"]
     with pytest.raises(SystemExit, match="exists"):  # never writes over a folder
