@@ -142,6 +142,7 @@ def test_cuda_plain_step_is_captured_by_default_and_the_cycle_on_graph_trees(mon
     wrappers are built here: nothing runs, so no GPU is needed."""
     import graphs
     kinds = lambda: [type(compile_step(fn, "cuda")).__name__ for fn in (decode_one_token, speculative_cycle)]
+    monkeypatch.setattr(graphs, "GRAPHS", "")  # EAGLET_GRAPHS unset (a script run earlier in this process may set it)
     assert kinds()[0] == "CapturedGraphs" and kinds()[1] != "CapturedGraphs"
     monkeypatch.setattr(graphs, "GRAPHS", "manual")
     assert kinds() == ["CapturedGraphs", "CapturedGraphs"]

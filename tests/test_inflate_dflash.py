@@ -95,6 +95,7 @@ def test_inflate_cli_writes_a_dflash_head_the_cli_decodes(tmp_path, monkeypatch)
     argv = ["--checkpoint_path", str(out / "target" / "model.pth"), "--max_new_tokens", "24", "--max_seq_length",
             "256", "--prompt", "def add(a, b):", "--json_out"]
     generate.main(argv + [str(tmp_path / "plain.json")])
-    generate.main(argv + [str(tmp_path / "dflash.json"), "--draft_checkpoint_path", str(out / "dflash" / "draft.pth")])
+    generate.main(argv + [str(tmp_path / "dflash.json"), "--draft_checkpoint_path", str(out / "dflash" / "draft.pth"),
+                          "--step_aside", "off"])  # every cycle, whatever the clock says
     plain, dflash = read_generation(tmp_path / "plain.json"), read_generation(tmp_path / "dflash.json")
     assert dflash["tokens"] == plain["tokens"] and max(dflash["accept_lengths"]) > 1
