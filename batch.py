@@ -43,6 +43,8 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
     logits, features = prefill_rows(model, padded, lengths, prefill_chunk)
+    if draft is not None:
+        draft.read_first(model, padded[:, 0])
     token = sample(logits, sampling)  # [B]
     rows = [[] for _ in prompts]
     accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)

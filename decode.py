@@ -337,7 +337,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
              constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
              prefill_chunk: Optional[int] = None, step_aside=None,
-             plain_fn: Optional[Callable] = None) -> GenerationResult:
+             plain_fn: Optional[Callable] = None, lookup=None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -349,16 +349,20 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     chose it, are appended to scores (a list the caller may pass to read them as on_tokens sees their tokens) and
     returned in the result. The prompt is prefilled prefill_chunk tokens per forward (default PREFILL_CHUNK), the
     head reading each chunk as it goes. step_aside (step_aside.StepAside, with a head): plain steps (plain_fn, e.g.
-    compiled; default decode_one_token) wherever speculation does not pay.
+    compiled; default decode_one_token) wherever speculation does not pay. lookup (lookup.NgramLookup, without a
+    head): drafts from the context itself, verified by step_fn (default lookup.lookup_cycle), and plain steps
+    (plain_fn) where it finds none.
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
                                     on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
                                     scores=scores, prefill_chunk=prefill_chunk, step_aside=step_aside,
-                                    plain_fn=plain_fn)
+                                    plain_fn=plain_fn, lookup=lookup)
     prompt_tokens = one_prompt(prompt_tokens)
-    tree = tree or TreeConfig()
-    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft else 0)
+    if draft is not None and lookup is not None:
+        raise EagletError("n-gram lookup drafts without a head: give a head or a lookup, not both")
+    tree = lookup or tree or TreeConfig()
+    check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft or lookup else 0)
     prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
     if max_new_tokens == 0:
         return GenerationResult(list(prompt_tokens), [], 0.0)
@@ -368,6 +372,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     # The draft needs the feature of the token before the new ones, so re-run that one (same KV).
     first = max(start_pos - 1, 0) if draft else start_pos
     new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
+    if draft is not None and first == 0:
+        draft.read_first(model, new_tokens[0, :1])
     for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk):
         if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
             draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
@@ -385,23 +391,26 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     if not done:
         ctx_len = torch.tensor(len(prompt_tokens), device=device)
         inputs = sampling.inputs(device)  # tensors, not constants: every setting shares the compiled step's graph
-        if draft is None:
-            call, state, widest = partial(plain_call, model, inputs, step_fn), (token, ctx_len), 1
+        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
+        if lookup is not None:
+            plain_tokens = lookup.run(model, inputs, step_fn, partial(plain_call, model, inputs, plain_fn),
+                                      (token, ctx_len), prompt_tokens, tokens, emit, accept_lengths, scores,
+                                      sampling.logprobs)
+        elif draft is None:
+            run_calls(partial(plain_call, model, inputs, step_fn), (token, ctx_len), len(prompt_tokens), tokens, emit,
+                      max_new_tokens, 1, ahead, None, scores, sampling.logprobs)
         else:
             h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
             call, state = partial(cycle_call, model, draft, tree, inputs, step_fn), (token, ctx_len, h_last)
-            widest = tree.levels
-        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
-        if draft is not None and step_aside is not None:
-            plain = partial(plain_call, model, inputs, plain_fn)
-            plain_before = step_aside.plain_tokens
-            step_aside.run(call, plain, state, prompt_tokens, tokens, emit, max_new_tokens, widest, ahead,
-                           accept_lengths, scores, sampling.logprobs, partial(catch_up_plain, model, draft,
-                                                                              chunk=prefill_chunk))
-            plain_tokens = step_aside.plain_tokens - plain_before
-        else:
-            run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, widest, ahead,
-                      accept_lengths if draft is not None else None, scores, sampling.logprobs)
+            if step_aside is None:
+                run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, tree.levels, ahead,
+                          accept_lengths, scores, sampling.logprobs)
+            else:
+                plain_before = step_aside.plain_tokens
+                step_aside.run(call, partial(plain_call, model, inputs, plain_fn), state, prompt_tokens, tokens, emit,
+                               max_new_tokens, tree.levels, ahead, accept_lengths, scores, sampling.logprobs,
+                               partial(catch_up_plain, model, draft, chunk=prefill_chunk))
+                plain_tokens = step_aside.plain_tokens - plain_before
     seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)
     if scores is not None:

@@ -113,6 +113,10 @@ class DraftHead(nn.Module):
         h = self.step(target, tokens, features, pos, pos, self.context_mask(ctx_len, causal))
         return take(h, n_accepted[..., None])[..., 0, :]
 
+    def read_first(self, target: Transformer, tokens: Tensor):
+        """The context's first tokens ([1], or [B] for a batch) before a prefill from position 0: a head's first pair
+        starts there, so nothing to read (a draft model, which reads tokens, overrides this)."""
+
     def tree_grid(self) -> tuple:
         """--tree auto's trees (depth, top-k, total_tokens) for this head; (): the default grid."""
         return ()

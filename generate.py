@@ -65,6 +65,17 @@ def model_flags(p):
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="draft.pth of an EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash, DSpark, DFlash2 or XPress head, or its "
                         "folder: switches to speculative decoding")
+    p.add_argument("--draft_model", type=Path, default=None,
+                   help="a converted model of the target's vocabulary (model.pth, a quantized one, or its folder) "
+                        "drafting in a head's place: a chain (--tree_topk 1) or EAGLE-2's tree of its top-k "
+                        "(default: depth 4, top-k 4)")
+    p.add_argument("--ngram", action="store_true",
+                   help="n-gram prompt lookup, without a head: the drafts are what followed the context's last "
+                        "--ngram_max .. --ngram_min tokens where they occurred before (prompt and reply), up to "
+                        "--tree_topk continuations of --depth tokens verified as one tree of at most --total_tokens; "
+                        "where nothing matches, a plain step")
+    p.add_argument("--ngram_max", type=int_flag(1), default=4, help="--ngram: the longest suffix matched")
+    p.add_argument("--ngram_min", type=int_flag(1), default=2, help="--ngram: the shortest suffix matched")
     p.add_argument("--draft_vocab", default=None,
                    help="EAGLE-1/2 heads: a file of the target ids the draft may propose (scripts/draft_vocab.py); "
                         "default: draft_vocab.json beside the head if there is one, else on a target of more than "
@@ -132,17 +143,25 @@ def check_model_flags(p, args):
         if not (DEMO_DIR / "target" / "model.pth").is_file():
             p.error(f"no --checkpoint_path given and no demo in {DEMO_DIR} (python scripts/make_demo.py builds it)")
         args.checkpoint_path = DEMO_DIR / "target" / "model.pth"
+    if args.demo and not (args.draft_model or args.ngram):  # a small code model and its head, shipped in demo/
         args.draft_checkpoint_path = args.draft_checkpoint_path or DEMO_DIR / "head" / "draft.pth"
     if args.no_draft:
-        args.draft_checkpoint_path = None
+        args.draft_checkpoint_path = args.draft_model = None
+        args.ngram = False
+    drafters = [f for f, on in (("--draft_checkpoint_path", args.draft_checkpoint_path), ("--draft_model", args.draft_model),
+                                ("--ngram", args.ngram)) if on]
+    if len(drafters) > 1:
+        p.error(f"give one drafter: {' and '.join(drafters)} were given")
+    if args.ngram_min > args.ngram_max:
+        p.error(f"--ngram_min ({args.ngram_min}) is larger than --ngram_max ({args.ngram_max})")
     if args.tree in ("auto", "static"):
         given = [f for f in ("depth", "tree_topk", "total_tokens") if getattr(args, f) is not None]
         if given:
             p.error(f"--tree {args.tree} {'picks' if args.tree == 'auto' else 'sets'} depth, tree_topk and "
                     f"total_tokens itself: leave out --{given[0]}")
-        if not args.draft_checkpoint_path:
+        if not (args.draft_checkpoint_path or args.draft_model):
             p.error(f"--tree {args.tree} {'tunes' if args.tree == 'auto' else 'is'} the draft tree: it needs a head "
-                    "(--draft_checkpoint_path, and no --no_draft)")
+                    "(--draft_checkpoint_path or --draft_model, and no --no_draft)")
     if args.tree_choices is not None and args.tree != "static":
         p.error("--tree_choices is the shape of --tree static: give both")
 
@@ -257,7 +276,7 @@ import tp  # noqa: E402
 from tune import auto_tree, pick_total_tokens  # noqa: E402
 
 # The flags load() takes, each as the keyword of its name (prompts: the texts parse_args gathered).
-LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_vocab", "device", "precision", "tree", "depth",
+LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "draft_vocab", "device", "precision", "tree", "depth",
               "tree_topk", "total_tokens", "tree_choices", "confidence", "draft_window", "draft_sinks",
               "prefill_chunk", "chat_template", "chat_template_kwargs", "max_seq_length", "temperature", "top_p",
               "top_k", "prompts", "chat", "interactive", "system", "max_new_tokens", "batch_size", "json_out")
@@ -353,6 +372,8 @@ def main(argv=None):
         args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")
         if args.draft_checkpoint_path:
             args.draft_checkpoint_path = converted_file(args.draft_checkpoint_path, "draft.pth")
+        if args.draft_model:
+            args.draft_model = converted_file(args.draft_model, "model.pth")
         fewest = tp.smallest(group, rows)
         if fewest < rows:  # the ranks' free memory differs: every rank runs the same batches
             rows = fewest
@@ -364,7 +385,8 @@ def main(argv=None):
         if args.tree == "auto":
             encode = partial(encode_prompts, tokenizer, chat=args.chat or args.interactive, system=args.system)
             tree = auto_tree(args, model, draft, encode, group, rows)
-        describe(model, draft, tree, args.checkpoint_path, args.draft_checkpoint_path, args.device, args.precision)
+        describe(model, draft, tree, args.checkpoint_path, args.draft_checkpoint_path or args.draft_model, args.device,
+                 args.precision)
         compile_settings(model, args.device)
         step_fn = speculative_cycle if draft is not None else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn

@@ -22,6 +22,7 @@ from draft_tree import STATIC_CHOICES, StaticTree
 from decode import TreeConfig, prefill_chunk_of
 from sampling import SamplingConfig
 from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name
+from draft_model import DraftModel, check_draft_model
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab
 from checkpoint import EagletError, converted_file, read_config
 from model import Transformer, context_limit
@@ -78,6 +79,20 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None,
             draft.restrict_vocab(target, token_ids, source)
             if log:
                 log(f"draft vocabulary: {draft.vocab_size} of {target.args.vocab_size} tokens, from {draft.draft_vocab_source}")
+    if target.max_seq_length:
+        draft.setup_caches(target.max_seq_length)
+    return draft
+
+
+def load_draft_model(checkpoint_path, target: Transformer) -> DraftModel:
+    """A converted model of the target's vocabulary (model.pth, a quantized one, or its folder) as a drafter, on the
+    target's device and in its dtype, with a cache as long as the target's (if that has one yet)."""
+    path = converted_file(checkpoint_path, "model.pth")
+    weight = target.tok_embeddings.weight
+    model = Transformer.from_checkpoint(path, device=weight.device, dtype=weight.dtype)
+    check_draft_model(model, target, str(path))
+    draft = DraftModel(model).eval()
+    target.set_feature_layers(draft.feature_layers)
     if target.max_seq_length:
         draft.setup_caches(target.max_seq_length)
     return draft
@@ -187,7 +202,7 @@ def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
         raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
 
 
-def load(checkpoint_path, *, draft_checkpoint_path=None, draft_vocab=None, device="auto", precision=None,
+def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, draft_vocab=None, device="auto", precision=None,
          tree="given", depth=None, tree_topk=None, total_tokens=None, tree_choices=None, confidence=0.0,
          draft_window="auto", draft_sinks=4, prefill_chunk=None, chat_template="auto", chat_template_kwargs=None,
          max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, prompts=None, chat=False, interactive=False,
@@ -195,7 +210,8 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_vocab=None, devic
     """Model, tokenizer, draft, sampling, the tree, the prompts' tokens (None for interactive) and the rows the caches
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
     precision None: bf16 on CUDA, fp32 on CPU); prompts: texts, encoded through the chat template with chat or
-    interactive; interactive: one long conversation, no prompts. The checkpoints: the files or their folders. Under
+    interactive; interactive: one long conversation, no prompts; draft_model: a model drafting in a head's place. The
+    checkpoints: the files or their folders. Under
     tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
@@ -209,8 +225,10 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_vocab=None, devic
         draft_checkpoint_path = converted_file(draft_checkpoint_path, "draft.pth")
     model = load_target(checkpoint_path, device, precision, group=group)
     tokenizer = Tokenizer(checkpoint_path.parent, chat_template, chat_template_kwargs)
+    if draft_checkpoint_path and draft_model:
+        raise EagletError("give a head (--draft_checkpoint_path) or a draft model (--draft_model), not both")
     draft = load_draft(draft_checkpoint_path, model, draft_vocab, log=print, keep_ids=tokenizer.eos_ids) \
-        if draft_checkpoint_path else None
+        if draft_checkpoint_path else load_draft_model(draft_model, model) if draft_model else None
     set_confidence(draft, confidence)
     if draft is not None:
         shape = tree_of(draft)

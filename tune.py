@@ -118,6 +118,8 @@ def cycle_start(target: Transformer, draft: Optional[DraftHead], prompt: list) -
     device = target.output.weight.device
     logits, features = prefill(target, torch.tensor([prompt], device=device), 0)
     root = sample(logits, SamplingConfig())[0]
+    if draft is not None:
+        draft.read_first(target, torch.tensor(prompt[:1], device=device))
     h_last = draft_start(target, draft, prompt, 0, features, root) if draft is not None else None
     return root, torch.tensor(len(prompt), device=device), h_last
 
