@@ -220,6 +220,8 @@ def parse_args(argv=None):
     if args.interactive and torchrun_rank() is not None:
         p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
     args.prompts = args.prompts or [DEMO_PROMPT]
+    if args.ngram and len(args.prompts) > 1:
+        p.error("--ngram decodes one prompt at a time: give one --prompt (a batch needs a head or --draft_model)")
     args.prompt = args.prompts[0]
     if (args.json_schema or args.regex) and (args.interactive or len(args.prompts) > 1):
         p.error(f"--{'json_schema' if args.json_schema else 'regex'} constrains one reply: give one --prompt "
@@ -266,6 +268,7 @@ from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_settings, compile_step  # noqa: E402
 from batch import generate_batch  # noqa: E402
 from step_aside import StepAside  # noqa: E402
+from lookup import lookup_cycle, warm_up_lookup  # noqa: E402
 from draft import DraftHead  # noqa: E402
 from checkpoint import EagletError, converted_file  # noqa: E402
 from load import describe, load, peak_memory_gb, pick_device  # noqa: E402
@@ -276,7 +279,7 @@ import tp  # noqa: E402
 from tune import auto_tree, pick_total_tokens  # noqa: E402
 
 # The flags load() takes, each as the keyword of its name (prompts: the texts parse_args gathered).
-LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "draft_vocab", "device", "precision", "tree", "depth",
+LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "ngram_min", "ngram_max", "draft_vocab", "device", "precision", "tree", "depth",
               "tree_topk", "total_tokens", "tree_choices", "confidence", "draft_window", "draft_sinks",
               "prefill_chunk", "chat_template", "chat_template_kwargs", "max_seq_length", "temperature", "top_p",
               "top_k", "prompts", "chat", "interactive", "system", "max_new_tokens", "batch_size", "json_out")
@@ -335,8 +338,8 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
     """Tokens/s, the weights read per second as they are read (plain: the target per token; speculative:
     the target per cycle and per plain step, the draft per draft pass; the prefill once), peak memory, and tau."""
     cycles = len(result.accept_lengths)
-    if draft is None:
-        n_bytes = len(result.tokens) * weight_bytes(model)
+    if draft is None:  # plain steps, or n-gram lookup's verifies and plain steps: the target once each
+        n_bytes = (1 + result.plain_tokens + cycles if cycles else len(result.tokens)) * weight_bytes(model)
     else:  # the prefill, the cycles and the plain steps taken where speculation stepped aside
         n_bytes = (1 + result.plain_tokens) * weight_bytes(model) + cycles * cycle_weight_bytes(model, draft, tree)
     per_rank = " per rank (rank 0's shard)" if model.tp_group is not None else ""
@@ -347,8 +350,9 @@ def report(result: GenerationResult, model: Transformer, device: str, draft: Opt
         print(f"first token after {result.first_token_seconds * 1e3:.1f} ms (the prefill), then "
               f"{result.decode_tokens_per_s:.2f} tokens/s")
     if result.plain_tokens:
-        print(f"plain steps for {result.plain_tokens} of {len(result.tokens)} tokens: speculation stepped aside to time "
-              "a step, or where a cycle cost more than the tokens it gave (--step_aside off: never)")
+        why = "where the n-gram lookup found no drafts" if draft is None else "speculation stepped aside to time a " \
+            "step, or where a cycle cost more than the tokens it gave (--step_aside off: never)"
+        print(f"plain steps for {result.plain_tokens} of {len(result.tokens)} tokens: {why}")
     if cycles:
         counts = Counter(result.accept_lengths)
         histogram = ", ".join(f"{n}: {counts[n]}" for n in sorted(counts))
@@ -388,10 +392,15 @@ def main(argv=None):
         describe(model, draft, tree, args.checkpoint_path, args.draft_checkpoint_path or args.draft_model, args.device,
                  args.precision)
         compile_settings(model, args.device)
-        step_fn = speculative_cycle if draft is not None else decode_one_token
+        step_fn = speculative_cycle if draft is not None else lookup_cycle if args.ngram else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
         gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
                       step_fn=step_fn, prefill_chunk=args.prefill_chunk)
+        if args.ngram:  # plain steps where the lookup finds nothing
+            gen = partial(gen, lookup=tree, tree=None,
+                          plain_fn=compile_step(decode_one_token, args.device) if args.compile else None)
+            if args.compile:
+                warm_up_lookup(model, tree, step_fn, sampling)
         if stepping_aside_on(args, draft, sampling, group):  # each generation times its own cycles and steps
             plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
             gen = stepping_aside(gen, plain_fn)

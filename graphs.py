@@ -1,5 +1,5 @@
 """Compiling the step and the cycle: torch.compile's settings, and how a compiled CUDA step or cycle is replayed
-(torch.compile's CUDA-graph trees, or CapturedGraphs). Imports model.py, draft_tree.py and decode.py."""
+(torch.compile's CUDA-graph trees, or CapturedGraphs). Imports model.py, draft_tree.py, decode.py and lookup.py."""
 import os
 from typing import Callable
 
@@ -8,6 +8,7 @@ from torch import Tensor
 
 from draft_tree import TreeConfig
 from decode import decode_one_token, speculative_cycle
+from lookup import lookup_cycle
 from sampling import SamplingConfig, SamplingInputs
 from model import Transformer
 
@@ -27,12 +28,13 @@ def compile_step(step_fn: Callable, device: str):
     """CUDA: fixed shapes captured as a CUDA graph (a plain step's BlockMask keeps its reads to the filled cache
     blocks). CPU: inductor alone, no graph to capture, so the plain step is compiled with dynamic shapes and
     given the filled length as eager code is: one graph for every length, reading the filled slots only (over
-    the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md)."""
+    the whole cache, masked, a 30-layer model's step cost 1.4x as much at 4,096 slots as at 256; BENCHMARKS.md). An
+    n-gram lookup's verify too: one graph for its trees of every size."""
     if device.startswith("cuda"):
         if step_fn in (decode_one_token, speculative_cycle) and captures(step_fn):
             return CapturedGraphs(torch.compile(step_fn, fullgraph=True))
         return torch.compile(step_fn, mode="reduce-overhead", fullgraph=True)
-    return torch.compile(step_fn, fullgraph=True, dynamic=step_fn is decode_one_token)
+    return torch.compile(step_fn, fullgraph=True, dynamic=step_fn in (decode_one_token, lookup_cycle))
 
 
 class CapturedGraphs:

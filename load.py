@@ -23,6 +23,7 @@ from decode import TreeConfig, prefill_chunk_of
 from sampling import SamplingConfig
 from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name
 from draft_model import DraftModel, check_draft_model
+from lookup import NgramLookup
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab
 from checkpoint import EagletError, converted_file, read_config
 from model import Transformer, context_limit
@@ -175,6 +176,15 @@ def tree_config(kind: str, tree_choices, depth, tree_topk, total_tokens, draft: 
     return replace(tree, total_tokens=size)  # checks the size
 
 
+def ngram_lookup(tree: str, depth, tree_topk, total_tokens, ngram_min: int, ngram_max: int) -> NgramLookup:
+    """--ngram's lookup: the tree flags read as its continuations' length, their number and the nodes verified."""
+    if tree != "given" or total_tokens == "auto":
+        raise EagletError("--ngram builds its tree from the context: it takes --depth, --tree_topk and "
+                          "--total_tokens as numbers, not --tree auto, --tree static or --total_tokens auto")
+    lookup = NgramLookup(depth or NgramLookup.depth, tree_topk or NgramLookup.topk, 2, ngram_max, ngram_min)
+    return replace(lookup, total_tokens=total_tokens or min(NgramLookup.total_tokens, 1 + lookup.depth * lookup.topk))
+
+
 def cache_length(max_seq_length: Optional[int], max_new_tokens: int, model: Transformer, prompt: Optional[list],
                  scratch: int) -> int:
     """max_seq_length, or what this run needs; a total over the model's limit names its parts."""
@@ -202,7 +212,8 @@ def check_tokenizer(tokenizer: Tokenizer, model: Transformer):
         raise EagletError(f"the tokenizer has {n_tok} tokens but the model {n_model}: they do not belong together")
 
 
-def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, draft_vocab=None, device="auto", precision=None,
+def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram=False, ngram_min=2, ngram_max=4,
+         draft_vocab=None, device="auto", precision=None,
          tree="given", depth=None, tree_topk=None, total_tokens=None, tree_choices=None, confidence=0.0,
          draft_window="auto", draft_sinks=4, prefill_chunk=None, chat_template="auto", chat_template_kwargs=None,
          max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, prompts=None, chat=False, interactive=False,
@@ -210,14 +221,15 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, draft
     """Model, tokenizer, draft, sampling, the tree, the prompts' tokens (None for interactive) and the rows the caches
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
     precision None: bf16 on CUDA, fp32 on CPU); prompts: texts, encoded through the chat template with chat or
-    interactive; interactive: one long conversation, no prompts; draft_model: a model drafting in a head's place. The
-    checkpoints: the files or their folders. Under
+    interactive; interactive: one long conversation, no prompts; draft_model: a model drafting in a head's place; ngram:
+    n-gram lookup (the tree returned is its NgramLookup). The checkpoints: the files or their folders. Under
     tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     sampling = SamplingConfig(temperature, top_p, top_k)
     tree_of = partial(tree_config, tree, tree_choices, depth, tree_topk, total_tokens)
-    shape = tree_of()  # checks the settings before anything is loaded
+    shape = ngram_lookup(tree, depth, tree_topk, total_tokens, ngram_min, ngram_max) if ngram else \
+        tree_of()  # checks the settings before anything is loaded
     if json_out and not torchrun_rank():  # rank 0 writes it
         check_writable(json_out, "--json_out")
     checkpoint_path = converted_file(checkpoint_path, "model.pth")
@@ -237,7 +249,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, draft
         print(f"chat template: {tokenizer.chat_template_source}")
     encode = partial(encode_prompts, tokenizer, chat=chat or interactive, system=system)
     encoded = None if interactive else encode(prompts)
-    scratch = shape.scratch if draft is not None else 0
+    scratch = shape.scratch if draft is not None or ngram else 0
     size = cache_length(max_seq_length, max_new_tokens, model, max(encoded, key=len) if encoded else None, scratch)
     if tree == "auto":  # room for the tuning's decoding too, or a clear refusal before it starts
         size = tuning_cache_size(max_seq_length, model, draft, encode, size, scratch)
@@ -298,13 +310,14 @@ def batch_rows(batch_size: Optional[int], device: str, model: Transformer, draft
 def describe(model: Transformer, draft: Optional[DraftHead], tree: TreeConfig, checkpoint_path: Path,
              draft_checkpoint_path: Optional[Path], device: str, precision: str):
     """The start-up line: what runs, in which formats, where (the checkpoints as files, as load read them)."""
-    head = f"head {short_path(draft_checkpoint_path)} ({weights_format(draft)}), {tree.describe()}" \
-        if draft is not None else "no head (plain decoding)"
+    kind = "draft model" if isinstance(draft, DraftModel) else "head"
+    head = f"{kind} {short_path(draft_checkpoint_path)} ({weights_format(draft)}), {tree.describe()}" \
+        if draft is not None else tree.describe() if isinstance(tree, NgramLookup) else "no head (plain decoding)"
     ranks = f", tensor parallel over {dist.get_world_size(model.tp_group)} ranks" if model.tp_group else ""
     print(f"target {short_path(checkpoint_path)} ({weights_format(model)}); {head}; {device}, "
           f"{precision}{ranks}")
     trained = head_config(read_config(draft_checkpoint_path.parent), "the head").get(
-        "max_position_embeddings") if draft else None
+        "max_position_embeddings") if draft is not None and not isinstance(draft, DraftModel) else None
     if isinstance(trained, int) and trained < model.max_seq_length:
         print(f"note: the head was trained on up to {trained} positions (its max_position_embeddings) and the "
               f"cache holds {model.max_seq_length}: past {trained}, expect fewer tokens per cycle (the output "

@@ -145,6 +145,16 @@ def lookup_cycle(target: Transformer, tree: DraftTree, ctx_len: Tensor, sampling
     return emitted, n_accepted, bonus, ctx_len + n_accepted + 1
 
 
+@torch.no_grad()
+def warm_up_lookup(model: Transformer, lookup: NgramLookup, cycle_fn: Callable, sampling):
+    """Compile (or capture) a compiled verify for each tree size it will meet (lookup.sizes()), so that none is
+    compiled in a timed run. Writes cache slots from 0 on: call it before the first generation, never between turns."""
+    device = model.output.weight.device
+    for n in lookup.sizes():
+        tree = tree_of(list(range(n)), [max(i - 1, 0) for i in range(n)], list(range(n)), n, device)
+        cycle_fn(model, tree, torch.tensor(0, device=device), sampling.inputs(device), lookup.levels)
+
+
 def run_lookup(model: Transformer, lookup: NgramLookup, sampling, cycle_fn: Optional[Callable], plain: Callable,
                state, prompt: list, tokens: list, emit: Callable, accept_lengths: list, scores, k: int) -> int:
     """Cycles where the lookup finds drafts, plain steps (plain: decode.plain_call) where it does not, each read back

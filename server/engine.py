@@ -15,12 +15,13 @@ import torch
 
 from batch import generate_batch
 from chat import TextStreamer, warm_up
-from checkpoint import converted_file
+from checkpoint import EagletError, converted_file
 from decode import decode_one_token, generate, speculative_cycle
 from sampling import SamplingConfig
 from graphs import compile_settings, compile_step
 from load import describe, load, short_path
 from step_aside import StepAside
+from lookup import lookup_cycle, warm_up_lookup
 from grammar import grammar_tokenizer, token_bytes
 from reasoning import thinking_tokens
 from server.metrics import Metrics
@@ -117,22 +118,31 @@ class Engine:
     def load(self, args):
         # a server is one long conversation, as --interactive: caches of --max_seq_length (or 4096) slots
         (self.model, self.tokenizer, self.draft, self.sampling, self.tree, _, _) = load(
-            args.checkpoint_path, draft_checkpoint_path=args.draft_checkpoint_path, draft_vocab=args.draft_vocab,
+            args.checkpoint_path, draft_checkpoint_path=args.draft_checkpoint_path, draft_model=args.draft_model,
+            ngram=args.ngram, ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_vocab=args.draft_vocab,
             device=args.device, precision=args.precision, tree=args.tree, depth=args.depth, tree_topk=args.tree_topk,
             total_tokens=args.total_tokens, tree_choices=args.tree_choices, confidence=args.confidence,
             draft_window=args.draft_window, draft_sinks=args.draft_sinks, prefill_chunk=args.prefill_chunk,
             chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs,
             max_seq_length=args.max_seq_length, interactive=True)
-        draft_path = converted_file(args.draft_checkpoint_path, "draft.pth") if args.draft_checkpoint_path else None
+        draft_path = converted_file(args.draft_checkpoint_path, "draft.pth") if args.draft_checkpoint_path else \
+            converted_file(args.draft_model, "model.pth") if args.draft_model else None
         describe(self.model, self.draft, self.tree, converted_file(args.checkpoint_path, "model.pth"), draft_path,
                  args.device, args.precision)
         compile_settings(self.model, args.device)
-        step = speculative_cycle if self.draft is not None else decode_one_token
+        step = speculative_cycle if self.draft is not None else lookup_cycle if args.ngram else decode_one_token
+        step = compile_step(step, args.device) if args.compile else step
         self.gen = partial(generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
-                           tree=self.tree, step_fn=compile_step(step, args.device) if args.compile else step,
-                           prefill_chunk=args.prefill_chunk)
-        self.scratch = self.tree.scratch if self.draft is not None else 0
+                           tree=self.tree, step_fn=step, prefill_chunk=args.prefill_chunk)
+        self.scratch = self.tree.scratch if self.draft is not None or args.ngram else 0
         self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
+        if args.ngram:  # the lookup's verifies, and plain steps where it finds nothing
+            if self.max_batch > 1:
+                raise EagletError("--ngram serves one request at a time: leave out --max_batch")
+            self.plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
+            self.gen = partial(self.gen, lookup=self.tree, tree=None, plain_fn=self.plain_fn)
+            if args.compile:
+                warm_up_lookup(self.model, self.tree, step, self.sampling)
         grammar_tokenizer_now(self.tokenizer, self.model.args.vocab_size)
         if self.max_batch > 1:  # caches of max_batch rows (one prompt alone uses the first)
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)

@@ -14,7 +14,8 @@ from sampling import SamplingConfig, logits_to_probs, sample
 import graphs
 from conftest import STAT_SAMPLES, eagle3_config, eagle3_head_weights, make_agreeing_pair, write_eagle_head
 from convert_hf_checkpoint import convert
-from load import load_draft, load_target
+from load import load_draft, load_draft_model, load_target
+from lookup import NgramLookup
 
 VOCAB, PROMPT, N_TOKENS = 8, [1, 5, 3], 3
 TREE = TreeConfig(depth=2, topk=3, total_tokens=8)
@@ -44,7 +45,7 @@ def eagle3_pair(pair, tmp_path_factory):
     return target, model, load_draft(head / "draft.pth", model)
 
 
-def exact_distribution(target_dir, sampling):
+def exact_distribution(target_dir, sampling, prompt=PROMPT):
     """P(first N_TOKENS tokens) by enumeration with transformers' model and its own logits warpers."""
     from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
@@ -54,9 +55,9 @@ def exact_distribution(target_dir, sampling):
                                ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []) +
                                ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
     prefixes = list(product(range(VOCAB), repeat=N_TOKENS - 1))
-    ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+    ids = torch.tensor([prompt + list(p) for p in prefixes])
     with torch.no_grad():
-        logits = hf(ids).logits[:, len(PROMPT) - 1:]  # predictions for tokens 1..N_TOKENS
+        logits = hf(ids).logits[:, len(prompt) - 1:]  # predictions for tokens 1..N_TOKENS
     probs = torch.stack([torch.softmax(warp(ids, logits[:, i].clone()), -1) for i in range(N_TOKENS)], 1)
     dist = {}
     for row, p in enumerate(prefixes):
@@ -125,6 +126,28 @@ def test_eagle3_sampling_matches_target_distribution(eagle3_pair):
     sampling = SamplingConfig(temperature=0.8, top_k=4)
     counts = speculative_samples(model, draft, sampling)
     assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling))
+
+
+def test_a_draft_model_samples_the_target_distribution(pair):
+    """A draft model (here the target itself, converted: it proposes the target's top-k, so drafts are often
+    accepted) drafting EAGLE-2's tree: the sequences follow the target's law."""
+    target_dir, model, _ = pair
+    check_sampled_sequences(target_dir, model, load_draft_model(target_dir / "model.pth", model), TREE)
+
+
+def test_ngram_lookup_samples_the_target_distribution(pair):
+    """n-gram lookup's deterministic drafts (a one-hot draft distribution) from a prompt that repeats itself:
+    accepted where they are the target's own pick, and the sequences follow the target's law (chi-square)."""
+    target_dir, model, _ = pair
+    prompt, sampling, counts, lengths = [1, 5, 3, 6, 1, 5, 3, 6, 1], SamplingConfig(temperature=1.0), Counter(), []
+    lookup = NgramLookup(depth=3, topk=3, total_tokens=8, max_ngram=2, min_ngram=1)
+    for i in range(STAT_SAMPLES):
+        torch.manual_seed(i)
+        result = generate(model, prompt, N_TOKENS, sampling, lookup=lookup)
+        counts[tuple(result.tokens)] += 1
+        lengths += result.accept_lengths
+    assert max(lengths) > 1  # drafts were accepted: the acceptance rule was exercised
+    assert not chi_square_p_below(counts, exact_distribution(target_dir, sampling, prompt))
 
 
 def bonus_from_unmodified_p(tree, logits, sampling, levels):
