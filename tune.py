@@ -293,8 +293,8 @@ def auto_tree(args, model: Transformer, draft: DraftHead, encode: Callable, grou
         model.setup_caches(1, model.max_seq_length)
         draft.setup_caches(model.max_seq_length)
     prompts = encode(CALIBRATION_PROMPTS)
-    key = tree_key(args.checkpoint_path, args.draft_checkpoint_path, model, draft, args.device, args.precision,
-                   prompts, tree_grid(draft), CALIBRATION_TOKENS)
+    key = tree_key(args.checkpoint_path, args.draft_checkpoint_path or args.draft_model, model, draft, args.device,
+                   args.precision, prompts, tree_grid(draft), CALIBRATION_TOKENS)
     tree = pick_tree(model, draft, prompts, key, tree_cache_file(), tree_grid(draft), CALIBRATION_TOKENS, group)
     if rows > 1:
         model.setup_caches(rows, model.max_seq_length)

@@ -420,6 +420,19 @@ MUTANTS = [
       "                tokens[..., level[\"tree\"]] = child_ids[..., 0, level[\"rank\"]]"),
     M("int4 in fp32 on a CPU: dequantized around 7, not 8", "quantize.py",
       "return (values.to(scales.dtype) - 8) * scales + zeros", "return (values.to(scales.dtype) - 7) * scales + zeros"),
+    # drafting without a head: a draft model, n-gram lookup
+    M("draft model: its calls at a head's positions, not one after", "draft_model.py",
+      "logits, _ = self.model(tokens, input_pos + 1, slots + 1, mask)", "logits, _ = self.model(tokens, input_pos, slots, mask)"),
+    M("draft model: the context's first token never read", "decode.py",
+      "        draft.read_first(model, new_tokens[0, :1])\n", "        pass\n"),
+    M("draft model: the root not seen as context", "draft_model.py",
+      "return super().context_mask(ctx_len + 1, block)", "return super().context_mask(ctx_len, block)"),
+    M("lookup: a continuation starts inside the matched n-gram", "lookup.py",
+      "run = tuple(self.context[end:end + self.config.depth])", "run = tuple(self.context[end - 1:end - 1 + self.config.depth])"),
+    M("lookup: the padding nodes may be accepted", "lookup.py", "    logp[real:] = float(\"-inf\")\n", ""),
+    M("lookup: a node's ancestors are only its parent", "lookup.py",
+      "        ancestors[i] |= ancestors[parents[i]]", "        ancestors[i, parents[i]] = True"),
+    M("lookup: the index misses the tokens each cycle emits", "lookup.py", "        index.extend(tokens[n_before:])\n", ""),
 ]
 
 

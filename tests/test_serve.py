@@ -711,3 +711,22 @@ def test_a_template_refusal_names_the_field_that_caused_it(tmp_path):
             requests.render(body, [{"role": "user", "content": content}], None)
         assert (refused.value.status, refused.value.param) == (400, param)
     assert requests.render({}, [{"role": "user", "content": "fine"}], None)[0]
+
+
+@pytest.mark.parametrize("flags", [("--ngram",), ("--draft_model", str(DEMO / "target"), "--tree_topk", "1")],
+                         ids=["ngram", "draft_model"])
+def test_a_server_drafts_without_a_head(reference, flags):
+    """n-gram lookup, and a draft model (the demo's target itself: every draft accepted), behind the server: greedy
+    replies, streamed or not, are generate()'s; a reply that quotes its prompt is drafted (tau over 1)."""
+    proc, url = start_server("--step_aside", "off", *flags)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for prompt in (PROMPTS[0], "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"):
+            text, _ = reference(reference.tokenizer.encode(prompt), 30)
+            whole = client.completions.create(model="eaglet", prompt=prompt, max_tokens=30, temperature=0)
+            chunks = client.completions.create(model="eaglet", prompt=prompt, max_tokens=30, temperature=0, stream=True)
+            assert whole.choices[0].text == text == "".join(c.choices[0].text for c in chunks if c.choices)
+        assert whole.model_extra["eaglet"]["tau"] > 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=HANG_S)
