@@ -29,13 +29,15 @@ class DraftModel(DraftHead):
         return list(self.model.layers)
 
     def setup_caches(self, max_seq_length: int, max_batch_size: int = 1):
-        """Its cache one slot longer than the target's: its calls sit one slot after a head's."""
-        self.max_seq_length = max_seq_length + 1
-        self.model.setup_caches(max_batch_size, max_seq_length + 1)
+        """A cache as long as the target's. Its calls sit one slot after a head's, and still fit: a cycle starts only
+        while tokens are left to make, so its root lies at least one slot before the end of the context the target's
+        cache made room for, beside the tree's scratch."""
+        self.max_seq_length = max_seq_length
+        self.model.setup_caches(max_batch_size, max_seq_length)
         self.kv_cache = self.model.kv_cache
 
     def setup_rope(self, max_seq_length: int):
-        self.model.setup_rope(max_seq_length + 1)
+        self.model.setup_rope(max_seq_length)
 
     def context_mask(self, ctx_len: Tensor, block: Tensor):
         return super().context_mask(ctx_len + 1, block)  # the root, at ctx_len, is context
