@@ -1,5 +1,5 @@
 """Several prompts decoded together (generate_batch): prefilled as padded rows, then one step or one cycle serves
-every row, each at its own context. Imports model.py, attention.py, draft_tree.py, draft.py and decode.py."""
+every row, each at its own context. Imports model.py, attention.py, draft_tree.py, draft.py, decode.py and lookup.py."""
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -12,6 +12,7 @@ from draft_tree import TreeConfig
 from attention import causal_mask
 from decode import (GenerationResult, catch_up, check_agreed, check_fits, decode_one_token, device_sync, keep_new, one_prompt, prefill_chunk_of, speculative_cycle)
 from sampling import SamplingConfig, sample
+from lookup import NgramIndex, NgramLookup, batch_tree, lookup_cycle
 from model import EagletError, Transformer
 
 
@@ -19,7 +20,7 @@ from model import EagletError, Transformer
 def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampling: SamplingConfig,
                    eos_ids=(), on_tokens: Optional[Callable] = None, draft: Optional[DraftHead] = None,
                    tree: Optional[TreeConfig] = None, step_fn: Optional[Callable] = None,
-                   prefill_chunk: Optional[int] = None) -> list:
+                   prefill_chunk: Optional[int] = None, lookup: Optional[NgramLookup] = None) -> list:
     """Several prompts decoded together, one GenerationResult each; greedy, every row gets the tokens and
     accepted lengths generate() gives it alone. The caches must hold len(prompts) rows (setup_caches).
 
@@ -27,14 +28,15 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     (its masks stop at its own context) and is overwritten as it goes on. Then one step or one cycle serves
     every row, each at its own context. A row that is done (EOS, max_new_tokens, or on_tokens(row, new)
     keeping fewer tokens) stays where it is, its outputs ignored, while the others go on: the shapes never
-    change. A result's seconds run until its own row was done.
+    change. A result's seconds run until its own row was done. lookup (n-gram lookup, without a head): each row's
+    tree from its own context, one verify for all (step_fn: a compiled lookup_cycle).
     """
     prompts = [one_prompt(p) for p in prompts]
     if sampling.logprobs >= 0:
         raise EagletError("logprobs are read one prompt at a time (generate), not in a batch")
-    tree = tree or TreeConfig()
+    tree = lookup or tree or TreeConfig()
     for prompt in prompts:
-        check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft else 0)
+        check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft or lookup else 0)
     check_rows(model, draft, len(prompts))
     prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
     device = model.output.weight.device
@@ -58,13 +60,18 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
         pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
         h_last = draft_reads_rows(model, draft, pairs, features, lengths, prefill_chunk)
+    indexes = [NgramIndex(lookup) for _ in prompts] if lookup is not None else []
+    for index, prompt in zip(indexes, prompts):
+        index.extend(prompt)
     done, live, n_live = [False] * len(prompts), None, -1
     while True:
         for b in range(len(prompts)):
             if not done[b]:
                 n_before = len(rows[b])
                 done[b] = emits[b](new[b])
-                if draft is not None and n_before:  # the cycles' counts; the prefill's token is not one
+                if indexes:
+                    indexes[b].extend(rows[b][n_before:])
+                if (draft is not None or indexes) and n_before:  # the cycles' counts; the prefill's token is not one
                     accept_lengths[b].append(len(rows[b]) - n_before)
                 seconds[b] = time.perf_counter() - t0 if done[b] else 0.0
         if all(done):
@@ -74,7 +81,12 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         if n_live != done.count(False):
             n_live, live = done.count(False), torch.tensor([not d for d in done], device=device)
         ctx_len = torch.where(live, next_ctx, ctx_len)
-        if draft is None:
+        if indexes:
+            emitted, n_accepted, token, next_ctx = [t.clone() for t in (step_fn or lookup_cycle)(
+                model, batch_tree(indexes, lookup, device), ctx_len, inputs, lookup.levels)]
+            out = torch.cat([n_accepted[:, None], emitted], dim=1).tolist()  # the one host sync of the cycle
+            new = [o[1:check_agreed(o[0]) + 2] for o in out]
+        elif draft is None:
             token = (step_fn or decode_one_token)(model, token[:, None], ctx_len[:, None], inputs).clone()
             next_ctx = ctx_len + 1
             new = [[check_agreed(t)] for t in token.tolist()]

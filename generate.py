@@ -220,8 +220,6 @@ def parse_args(argv=None):
     if args.interactive and torchrun_rank() is not None:
         p.error("--interactive reads the terminal in one process; under torchrun (tensor parallel) give a --prompt")
     args.prompts = args.prompts or [DEMO_PROMPT]
-    if args.ngram and len(args.prompts) > 1:
-        p.error("--ngram decodes one prompt at a time: give one --prompt (a batch needs a head or --draft_model)")
     args.prompt = args.prompts[0]
     if (args.json_schema or args.regex) and (args.interactive or len(args.prompts) > 1):
         p.error(f"--{'json_schema' if args.json_schema else 'regex'} constrains one reply: give one --prompt "
@@ -412,7 +410,8 @@ def main(argv=None):
             run_interactive(args, gen, tokenizer, model.max_seq_length, scratch, show)
         elif len(prompts) > 1:
             gen_batch = partial(generate_batch, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft,
-                                tree=tree, step_fn=step_fn, prefill_chunk=args.prefill_chunk)
+                                tree=tree, step_fn=step_fn, prefill_chunk=args.prefill_chunk,
+                                lookup=tree if args.ngram else None)
             run_batches(args, gen_batch, tokenizer, prompts, rows)
         else:
             run_once(args, gen, tokenizer, prompts[0], show)

@@ -92,14 +92,11 @@ class NgramIndex:
                         return found
         return found
 
-    def tree(self, device) -> Optional[DraftTree]:
-        """The continuations as one tree after the root (the context's last token), shared prefixes merged, cut to
-        total_tokens nodes in the smallest size that holds them (the rest padding, never accepted); None: no match."""
-        runs = self.continuations()
-        if not runs:
-            return None
+    def nodes(self) -> tuple:
+        """The continuations as one tree after the root (the context's last token), shared prefixes merged, at most
+        total_tokens nodes: (tokens, parents, depths), parents before children; the root alone where nothing matched."""
         tokens, parents, depths, children = [self.context[-1]], [0], [0], {}
-        for run in runs:
+        for run in self.continuations():
             node = 0
             for t in run:
                 if (node, t) not in children:
@@ -108,17 +105,21 @@ class NgramIndex:
                     children[node, t] = len(tokens)
                     tokens.append(t), parents.append(node), depths.append(depths[node] + 1)
                 node = children[node, t]
-        n = next(s for s in self.config.sizes() if s >= len(tokens))
-        real = len(tokens)
-        tokens += [0] * (n - real)
-        parents += [0] * (n - real)
-        depths += [1] * (n - real)
-        return tree_of(tokens, parents, depths, real, device)
+        return tokens, parents, depths
+
+    def tree(self, device) -> Optional[DraftTree]:
+        """nodes() as a DraftTree in the smallest size that holds it (the rest padding); None: nothing matched."""
+        nodes = self.nodes()
+        if len(nodes[0]) == 1:
+            return None
+        return tree_of(*nodes, next(s for s in self.config.sizes() if s >= len(nodes[0])), device)
 
 
-def tree_of(tokens: list, parents: list, depths: list, real: int, device) -> DraftTree:
-    """A DraftTree from host lists (parents before children), one copy to the device; nodes from real on are padding."""
-    n = len(tokens)
+def tree_of(tokens: list, parents: list, depths: list, n: int, device) -> DraftTree:
+    """A DraftTree of n nodes from host lists (parents before children), one copy to the device; past the lists,
+    padding nodes (children of the root that are never accepted)."""
+    real = len(tokens)
+    tokens, parents, depths = tokens + [0] * (n - real), parents + [0] * (n - real), depths + [1] * (n - real)
     ancestors = torch.eye(n, dtype=torch.bool)
     for i in range(1, real):
         ancestors[i] |= ancestors[parents[i]]
@@ -130,6 +131,15 @@ def tree_of(tokens: list, parents: list, depths: list, real: int, device) -> Dra
     ancestors = packed[3 * n:3 * n + n * n].view(n, n).bool()
     logp = packed[3 * n + n * n:].int().view(torch.float32)
     return DraftTree(tokens, parents, depths, ancestors, logp)
+
+
+def batch_tree(indexes: list, config: NgramLookup, device) -> DraftTree:
+    """Each row's tree (a batch's: indexes, one a row), padded to the size that holds the largest, stacked [B, N]. A
+    row where nothing matched verifies its root alone, riding along with the others in the same forward."""
+    rows = [index.nodes() for index in indexes]
+    n = next(s for s in config.sizes() if s >= max(len(r[0]) for r in rows))
+    trees = [vars(tree_of(*r, n, "cpu")) for r in rows]
+    return DraftTree(**{name: torch.stack([t[name] for t in trees]).to(device) for name in trees[0]})
 
 
 def lookup_cycle(target: Transformer, tree: DraftTree, ctx_len: Tensor, sampling, levels: int):

@@ -15,7 +15,7 @@ import torch
 
 from batch import generate_batch
 from chat import TextStreamer, warm_up
-from checkpoint import EagletError, converted_file
+from checkpoint import converted_file
 from decode import decode_one_token, generate, speculative_cycle
 from sampling import SamplingConfig
 from graphs import compile_settings, compile_step
@@ -130,15 +130,13 @@ class Engine:
         describe(self.model, self.draft, self.tree, converted_file(args.checkpoint_path, "model.pth"), draft_path,
                  args.device, args.precision)
         compile_settings(self.model, args.device)
-        step = speculative_cycle if self.draft is not None else lookup_cycle if args.ngram else decode_one_token
-        step = compile_step(step, args.device) if args.compile else step
+        base = speculative_cycle if self.draft is not None else lookup_cycle if args.ngram else decode_one_token
+        step = compile_step(base, args.device) if args.compile else base
         self.gen = partial(generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
                            tree=self.tree, step_fn=step, prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None or args.ngram else 0
         self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
         if args.ngram:  # the lookup's verifies, and plain steps where it finds nothing
-            if self.max_batch > 1:
-                raise EagletError("--ngram serves one request at a time: leave out --max_batch")
             self.plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
             self.gen = partial(self.gen, lookup=self.tree, tree=None, plain_fn=self.plain_fn)
             if args.compile:
@@ -148,9 +146,9 @@ class Engine:
             self.model.setup_caches(self.max_batch, self.model.max_seq_length)
             if self.draft is not None:
                 self.draft.setup_caches(self.model.max_seq_length, self.max_batch)
-            self.gen_batch = partial(generate_batch, self.model, eos_ids=self.tokenizer.eos_ids,
-                                     draft=self.draft, tree=self.tree,
-                                     step_fn=compile_step(step, args.device) if args.compile else step)
+            self.gen_batch = partial(generate_batch, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
+                                     tree=self.tree, step_fn=compile_step(base, args.device) if args.compile else base,
+                                     lookup=self.tree if args.ngram else None)
         if args.compile:  # every graph the step has (greedy or sampled, logprobs or not) before any request
             warm_up(lambda prompt, n: [self.gen(prompt, n, s) for s in WARM_UP], self.tokenizer.encode("Hello"), 16)
 

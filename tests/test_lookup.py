@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import expect_error, run_cli
+from batch import generate_batch
 from decode import generate
 from graphs import compile_step
 from load import load_target
@@ -74,3 +75,16 @@ def test_the_command_line_decodes_with_ngram_lookup(tmp_path, target):
     assert looked_up["tokens"] == plain["tokens"] and looked_up["tau"] > 1
     expect_error(base + ["--ngram", "--ngram_min", "3", "--ngram_max", "2"], "larger than --ngram_max")
     expect_error(base + ["--ngram", "--tree", "auto"], "--tree auto")
+
+
+def test_ngram_lookup_in_a_batch_gives_each_row_its_tokens_alone(target):
+    _, model = target
+    prompts = [REPEATING, PROMPTS[1], REPEATING[:20]]
+    model.setup_caches(3, 256)
+    try:
+        together = generate_batch(model, prompts, 40, GREEDY, lookup=NgramLookup())
+        alone = [generate(model, p, 40, GREEDY) for p in prompts]
+    finally:
+        model.setup_caches(1, 256)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert max(together[0].accept_lengths) > 2  # drafts were accepted in the batch
