@@ -69,13 +69,40 @@ def token_bytes(tokenizer: Tokenizer, n_vocab: int, token: int) -> bytes:
     return grammar_tokenizer(tokenizer, n_vocab).decode_bytes([token])
 
 
+# Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas: where closed() looks.
+SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+             "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema):
+    """The schema with every object that names its properties and leaves additionalProperties unset closed to other
+    keys (additionalProperties false), as OpenAI's strict mode, vLLM's default grammar engine and guidance read a
+    tool's parameters: JSON Schema's own reading (any other key allowed) lets a small model wander into keys no one
+    asked for. An object that says what else it allows (additionalProperties, patternProperties,
+    unevaluatedProperties) is left as written; so is one that names no properties (any object)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in SUBSCHEMA or k in SUBSCHEMA_LISTS else
+           {name: closed(v2) for name, v2 in v.items()} if k in SUBSCHEMA_MAPS and isinstance(v, dict) else v
+           for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                          "unevaluatedProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_of(kind: str, value, strict: bool = False) -> str:
     """llguidance's grammar for a json_schema (a dict), json_object, regex or lark (a string); EagletError when it
     cannot be compiled. strict: a schema keyword the engine would ignore is refused rather than loosened."""
     ll = llguidance()
     try:
         if kind in ("json_schema", "json_object"):  # JSON as json.dumps writes it: no runs of whitespace to wander in
-            schema = value if kind == "json_schema" else {"type": "object"}
+            schema = closed(json.loads(value) if isinstance(value, str) else value) if kind == "json_schema" \
+                else {"type": "object"}
             grammar = ll.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         elif kind == "regex":
             grammar = ll.LLMatcher.grammar_from_regex(value)
@@ -202,9 +229,9 @@ def response_format_grammar(response_format) -> Optional[str]:
         raise EagletError(f"response_format type {kind!r} is not text, json_object or json_schema")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise EagletError('response_format json_schema must be an object holding "name" and a "schema" object')
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise EagletError('response_format json_schema needs a "name"')
+        raise EagletError('response_format json_schema must be an object holding a "schema" object (and its "name")')
+    if "name" in spec and not isinstance(spec["name"], str):  # OpenAI requires one; llama.cpp's clients send none
+        raise EagletError('response_format json_schema\'s "name" must be a string')
     schema = spec.get("schema", {})
     return grammar_of("json_schema", json.dumps(schema), strict=spec.get("strict") is True)
 

@@ -19,7 +19,7 @@ import uuid
 from typing import Optional
 
 from checkpoint import EagletError
-from grammar import grammar_of, tag_token
+from grammar import closed, grammar_of, tag_token
 from tokenizer import Tokenizer
 
 JSON_EXACT = {"whitespace_flexible": False}  # JSON as json.dumps writes it: no runs of whitespace to wander in
@@ -83,7 +83,7 @@ def call_grammar(tokenizer: Tokenizer, n_vocab: int, form: str, functions: dict,
     schema accepts (a Lark grammar with llguidance's inline %json); n_vocab: the model's vocabulary size."""
     arguments = "parameters" if form == "llama" else "arguments"
     definitions = {}
-    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments: hoisted(functions[name], i, definitions)},
+    calls = [{"type": "object", "properties": {"name": {"const": name}, arguments: hoisted(closed(functions[name]), i, definitions)},
               "required": ["name", arguments], "additionalProperties": False} for i, name in enumerate(names)]
     call = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | ({"$defs": definitions} if definitions else {})
     if form == "hermes":

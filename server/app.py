@@ -39,15 +39,14 @@ class Server:
         self.model_ids = [engine.name] + [a for a in aliases if a != engine.name]
         self.requests = Requests(engine, self.model_ids, reasoning_parser)
         self.app = app = FastAPI(title="eaglet", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_api_route("/", self.page, methods=["GET"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        for path, route in (("/", self.page), ("/health", self.health), ("/metrics", self.metrics),
+                            ("/v1/models", self.models)):  # HEAD too: monitors and load testers probe with it
+            app.add_api_route(path, route, methods=["GET", "HEAD"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.middleware("http")(self.guard)
         if allowed_origins:  # added last, so outermost: a preflight is answered before the key is asked for
-            app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+            app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                                allow_headers=["*"], max_age=600)
         app.exception_handler(404)(lambda r, e: ApiError(404, f"no such path: {r.url.path}").response())
         app.exception_handler(405)(lambda r, e: ApiError(405, f"{r.method} is not allowed on {r.url.path}").response())
@@ -83,31 +82,37 @@ class Server:
         return await self.complete(request, chat=False)
 
     async def complete(self, request: Request, chat: bool):
+        route, t0 = request.url.path, time.perf_counter()
         if self.draining:
-            return self.refuse_draining()
+            return self.refuse_draining(route)
         try:
             body = await self.body(request)  # then the template, tokenizing and the grammar in a worker thread:
             jobs, stream, usage_in_stream = await asyncio.to_thread(  # every other stream's chunks go on meanwhile
                 self.requests.jobs, body, chat, asyncio.get_running_loop())
         except ApiError as e:
             self.engine.metrics.count("refused")
+            log_request(route, e.status, why=e.message)
             return e.response()
         if self.draining:  # it began while the request was prepared
-            return self.refuse_draining()
+            return self.refuse_draining(route)
         if not self.engine.submit(jobs):  # all or none
             self.engine.metrics.count("queue_full")
+            log_request(route, 503, why="the queue is full")
             return ApiError(503, "the server is busy: its queue is full; try again shortly").response(
                 {"Retry-After": "1"})
         self.live.update(jobs)
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": reply_id, "created": int(time.time()), "model": self.engine.name,
+        model = body["model"] if body.get("model") in self.model_ids else self.engine.name  # the name it was asked by
+        head = {"id": reply_id, "created": int(time.time()), "model": model,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
         if stream:
-            return StreamingResponse(self.chunks(jobs, head, chat, usage_in_stream), media_type="text/event-stream")
-        return await self.whole(request, jobs, head, chat)
+            return StreamingResponse(self.chunks(jobs, head, chat, usage_in_stream, route, t0),
+                                     media_type="text/event-stream")
+        return await self.whole(request, jobs, head, chat, t0)
 
-    def refuse_draining(self) -> JSONResponse:
+    def refuse_draining(self, route: str) -> JSONResponse:
         self.engine.metrics.count("refused")
+        log_request(route, 503, why="shutting down")
         return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
 
     async def body(self, request: Request) -> dict:
@@ -122,11 +127,12 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    async def chunks(self, jobs: list, head: dict, chat: bool, usage_in_stream: bool):
+    async def chunks(self, jobs: list, head: dict, chat: bool, usage_in_stream: list, route: str, t0: float):
         """Server-sent events: one chunk per cycle (its choice's index), a last one per choice with its finish_reason,
         usage if asked, [DONE]. Leaving early (the client went away) cancels the jobs: the engine stops at the end
         of the cycle under way."""
-        reply, finished = StreamReply(jobs, head, chat), {}
+        (usage_at_end, usage_each_chunk), finished, failed = usage_in_stream, {}, None
+        reply = StreamReply(jobs, head, chat, usage_each_chunk)
         try:
             async for index, kind, value in events(jobs):
                 if kind == "text":
@@ -137,32 +143,53 @@ class Server:
                     for chunk in reply.done(index, value):
                         yield chunk
                 elif kind == "error":
+                    failed = value
                     yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
-            if usage_in_stream and len(finished) == len(jobs):
+            if usage_at_end and len(finished) == len(jobs):
                 yield reply.usage(finished)
             yield "data: [DONE]\n\n"
         finally:
             self.release(jobs)
+            log_request(route, 200, finished, time.perf_counter() - t0, failed, streamed=True)
 
-    async def whole(self, request: Request, jobs: list, head: dict, chat: bool):
+    async def whole(self, request: Request, jobs: list, head: dict, chat: bool, t0: float):
         """The whole reply as one JSON object; a client that goes away while it waits cancels the jobs."""
-        done = {}
+        done, route = {}, request.url.path
         try:
             async for index, kind, value in events(jobs, request):
                 if kind == "done" and value is not None:
                     done[index] = value
                 elif kind == "error":
+                    log_request(route, 500, done, time.perf_counter() - t0, value)
                     return ApiError(500, f"generation failed: {value}").response()
         finally:
             self.release(jobs)
         if len(done) < len(jobs):
+            log_request(route, 499, done, time.perf_counter() - t0, "the client went away")
             return ApiError(499, "the client went away").response()
+        log_request(route, 200, done, time.perf_counter() - t0)
         return whole_reply(jobs, done, head, chat)
 
     def release(self, jobs: list):
         self.live.difference_update(jobs)
         for job in jobs:
             job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
+
+
+def log_request(route: str, status: int, done: Optional[dict] = None, seconds: float = 0.0, why: Optional[str] = None,
+                streamed: bool = False):
+    """One line a request: its route and status, then its tokens, tau and seconds (a reply), or why it was refused."""
+    line = f"request: POST {route} {status}"
+    if done:
+        records = list(done.values())
+        prompt, completion = (sum(r[name] for r in records) for name in ("prompt_tokens", "completion_tokens"))
+        cycles = sum(r["eaglet"]["cycles"] for r in records)
+        emitted = sum(r["eaglet"]["tau"] * r["eaglet"]["cycles"] for r in records if r["eaglet"]["tau"])
+        line += f", {len(records)} choice{'s' * (len(records) > 1)}, prompt {prompt} tokens, completion {completion}" + \
+            (f", tau {emitted / cycles:.2f}" if cycles else "") + f", {seconds:.2f} s" + (", streamed" if streamed else "")
+    if why:
+        line += f": {why}"
+    print(line, flush=True)
 
 
 async def events(jobs: list, request: Optional[Request] = None):

@@ -224,18 +224,19 @@ class Engine:
             if keep is None and (job.cancelled.is_set() or state["count"] + len(new) >= job.max_tokens):
                 keep = len(new)  # cancelled: the cycle's tokens are the reply's last (their text is sent)
             state["logprobs"] += scored(self.tokenizer, vocab, job, state["count"], new if keep is None else new[:keep])
-            for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
-                job.send("text", (text, start, marks, unsent(state) if i == len(written) - 1 else []))
             state["count"] += len(new) if keep is None else keep
+            for i, (text, start) in enumerate(written):  # a token's logprobs go with the text that holds it
+                job.send("text", (text, start, marks, unsent(state) if i == len(written) - 1 else [], state["count"]))
             return keep
         return streamer, state, on_tokens
 
     def finish(self, job: Job, result, streamer: TextStreamer, state: dict, cached: int, seconds: float):
         """The rest of the text, the counters, and the job's last event."""
-        streamer.write = lambda text: job.send("text", (text, streamer.printed, {"drafted": [0, 0]}, unsent(state)))
+        streamer.write = lambda text: job.send("text", (text, streamer.printed, {"drafted": [0, 0]}, unsent(state),
+                                                        state["count"]))
         streamer.flush()
         if state["logprobs"]:  # tokens whose text never came (held back, then cut)
-            job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, unsent(state)))
+            job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, unsent(state), state["count"]))
         eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
         finish = "stop" if state["stopped"] or eos else "length" if len(result.tokens) >= job.max_tokens \
             else "abort" if job.cancelled.is_set() else "stop"

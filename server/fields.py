@@ -200,7 +200,8 @@ def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, sc
 
 
 def stream_of(body: dict) -> tuple:
-    """(whether to stream, whether the stream ends with usage) of stream and stream_options."""
+    """(whether to stream, whether the stream ends with usage, whether every chunk carries the usage so far: vLLM's
+    continuous_usage_stats) of stream and stream_options."""
     stream, options = body.get("stream", False), body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")
@@ -208,7 +209,7 @@ def stream_of(body: dict) -> tuple:
         raise ApiError(400, "stream_options must be an object", "stream_options")
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-    return stream, bool(options.get("include_usage"))
+    return stream, bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
 
 
 def fits_queue(choices: int, max_queue: int):

@@ -13,8 +13,8 @@ from tool_calls import parse_calls, streamable
 class StreamReply:
     """The chunks of one streamed request (its choices interleaved, each chunk naming its choice's index)."""
 
-    def __init__(self, jobs: list, head: dict, chat: bool):
-        self.jobs, self.head, self.chat = jobs, head, chat
+    def __init__(self, jobs: list, head: dict, chat: bool, usage_each_chunk: bool = False):
+        self.jobs, self.head, self.chat, self.usage_each_chunk = jobs, head, chat, usage_each_chunk
         self.wants_logprobs, self.tool_form = jobs[0].sampling.logprobs >= 0, jobs[0].tool_form
         self.started, self.offsets, self.content_so_far, self.sent = set(), {}, {}, {}  # sent: of content_so_far
         self.reasoning_streams = {job.index: ReasoningStream(job.reasoning) for job in jobs if job.reasoning is not None}
@@ -39,7 +39,8 @@ class StreamReply:
     def text(self, index: int, value: tuple) -> list:
         """A cycle's text: its chunk (with tools, the content up to where a call starts or may; the rest at the end;
         a thinking reply's reasoning as it comes, and where its reasoning and content begin in the reply's text)."""
-        text, start, marks, scores = value  # marks: the reply's characters from accepted drafts, forced
+        text, start, marks, scores, count = value  # marks: the reply's characters from accepted drafts, forced; count:
+        # the reply's tokens so far
         logprobs = logprob_entries(scores)
         reasoning, where = "", {}
         if index in self.reasoning_streams:
@@ -49,8 +50,11 @@ class StreamReply:
                      if at is not None}
         text = self.content(index, text)
         if text or reasoning or logprobs:
-            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where}, logprobs=logprobs,
-                               reasoning=reasoning)]
+            prompt = len(self.jobs[index].prompt)  # stream_options.continuous_usage_stats, as vLLM sends it
+            so_far = {"usage": {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count}} \
+                if self.usage_each_chunk else {}
+            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where} | so_far,
+                               logprobs=logprobs, reasoning=reasoning)]
         return []
 
     def content(self, index: int, text: str) -> str:

@@ -58,7 +58,7 @@ class Requests:
         for prompt in prompts:
             fits_room(prompt, limit, max_tokens, self.engine.room(prompt), self.engine.scratch,
                       self.engine.model.max_seq_length)
-        stream, usage_in_stream = stream_of(body)
+        stream, *usage_in_stream = stream_of(body)
         reuse, events = body.get("cache_prompt", True) is not False, asyncio.Queue()
         fits_queue(len(prompts) * n, self.engine.max_queue)
         one_grammar(body, calls)

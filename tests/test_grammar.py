@@ -176,13 +176,33 @@ def test_bad_grammars_are_refused_by_name():
                                  ("lark", "start: foo", 'unknown name: "foo"')]:
         with pytest.raises(EagletError, match=f"the {kind} cannot be compiled: .*{message}"):
             grammar_of(kind, value)
-    for response_format, message in [({"type": "json_schema"}, 'holding "name"'), ({"type": "xml"}, "'xml' is not"),
+    for response_format, message in [({"type": "json_schema"}, 'holding a "schema"'), ({"type": "xml"}, "'xml' is not"),
                                      ("json", 'an object with a "type"'),
-                                     ({"type": "json_schema", "json_schema": {"schema": {}}}, 'needs a "name"')]:
+                                     ({"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}, '"name" must')]:
         with pytest.raises(EagletError, match=message):
             response_format_grammar(response_format)
     assert response_format_grammar({"type": "text"}) is None
     assert math.isfinite(len(response_format_grammar({"type": "json_object"})))
+
+
+def test_an_object_that_names_its_properties_takes_no_other_keys_unless_it_says_so(demo):
+    """A schema leaves additionalProperties unset: no key beyond its properties (nested objects, $defs and anyOf too),
+    for response_format with or without a name; one that allows more (or names no properties) is honoured as written."""
+    target, tokenizer, _ = demo
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/$defs/B"},
+                                               "c": {"anyOf": [inner, {"type": "null"}]}}, "$defs": {"B": inner}}
+
+    def accepts(grammar: str, text: str) -> bool:
+        constraint = Constraint(tokenizer, target.args.vocab_size, grammar)
+        return constraint.take(tokenizer.encode(text, bos=False)) == len(tokenizer.encode(text, bos=False))
+    unnamed = response_format_grammar({"type": "json_schema", "json_schema": {"schema": schema}})
+    for text in ('{"a":1,"z":2', '{"b":{"x":1,"y"', '{"c":{"x":1,"y"'):
+        assert not accepts(unnamed, text), text
+    assert accepts(unnamed, '{"a":1,"b":{"x":2},"c":null}')
+    opened = grammar_of("json_schema", json.dumps({**schema, "additionalProperties": True}))
+    assert accepts(opened, '{"a":1,"z":2') and not accepts(opened, '{"b":{"x":1,"y"')
+    assert accepts(grammar_of("json_schema", json.dumps({"type": "object"})), '{"anything":1')
 
 
 def test_generate_cli_constrains_and_refuses(tmp_path, capsys):

@@ -102,6 +102,12 @@ def test_parameters_with_their_own_definitions_and_mistral_ids(tmp_path):
     assert constraint.take(tokenizer.encode(text, bos=False)) > 0 and not constraint.matcher.is_error()
     assert parse_calls('[{"name": "a", "arguments": {}}]', "mistral")[1][0]["id"].isalnum()
     assert len(parse_calls('[{"name": "a", "arguments": {}}]', "mistral")[1][0]["id"]) == 9
+    loose = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}  # additionalProperties unset
+    grammar = call_grammar(tokenizer, tokenizer.vocab_size, "hermes", {"go": loose}, ["go"])
+    for text, whole in (('<tool_call>\n{"name":"go","arguments":{"city":"Paris"}}\n</tool_call>', True),
+                        ('<tool_call>\n{"name":"go","arguments":{"city":"Paris","country"', False)):
+        tokens = tokenizer.encode(text, bos=False)
+        assert (Constraint(tokenizer, tokenizer.vocab_size, grammar).take(tokens) == len(tokens)) == whole, text
     folder = tmp_path / "named"
     folder.mkdir()
     for name in ("tokenizer.model", "config.json"):
