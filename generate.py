@@ -178,6 +178,8 @@ def parse_args(argv=None):
     p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
                    help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
+    p.add_argument("--ignore_eos", action="store_true",
+                   help="decode past end-of-sequence up to --max_new_tokens (replies of a fixed length, for timing)")
     p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float_flag(0, 1), default=1.0, help="nucleus sampling: keep this much mass")
     p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
@@ -390,9 +392,10 @@ def main(argv=None):
         describe(model, draft, tree, args.checkpoint_path, args.draft_checkpoint_path or args.draft_model, args.device,
                  args.precision)
         compile_settings(model, args.device)
+        eos_ids = () if args.ignore_eos else tokenizer.eos_ids
         step_fn = speculative_cycle if draft is not None else lookup_cycle if args.ngram else decode_one_token
         step_fn = compile_step(step_fn, args.device) if args.compile else step_fn
-        gen = partial(generate, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft, tree=tree,
+        gen = partial(generate, model, sampling=sampling, eos_ids=eos_ids, draft=draft, tree=tree,
                       step_fn=step_fn, prefill_chunk=args.prefill_chunk)
         if args.ngram:  # plain steps where the lookup finds nothing
             gen = partial(gen, lookup=tree, tree=None,
@@ -409,7 +412,7 @@ def main(argv=None):
             scratch = tree.scratch if draft is not None else 0
             run_interactive(args, gen, tokenizer, model.max_seq_length, scratch, show)
         elif len(prompts) > 1:
-            gen_batch = partial(generate_batch, model, sampling=sampling, eos_ids=tokenizer.eos_ids, draft=draft,
+            gen_batch = partial(generate_batch, model, sampling=sampling, eos_ids=eos_ids, draft=draft,
                                 tree=tree, step_fn=step_fn, prefill_chunk=args.prefill_chunk,
                                 lookup=tree if args.ngram else None)
             run_batches(args, gen_batch, tokenizer, prompts, rows)

@@ -47,6 +47,7 @@ class Job:
     reasoning: Optional[str] = None  # where the reply starts (reasoning.py): split into reasoning and content
     scores: list = field(default_factory=list)  # with sampling.logprobs >= 0: generate appends each token's
     index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
+    ignore_eos: bool = False  # decode past end-of-sequence, up to max_tokens
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
@@ -89,7 +90,7 @@ class Waiting:
         job = self.held.pop(0) if self.held else self.jobs.get()
         batch = [job]
         batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
-                               and j.constraint is None)  # a grammar, logprobs: alone
+                               and j.constraint is None and j.ignore_eos == job.ignore_eos)  # a grammar, logprobs: alone
         while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
             try:
                 other = self.held.pop(0) if self.held else self.jobs.get_nowait()
@@ -237,7 +238,7 @@ class Engine:
         streamer.flush()
         if state["logprobs"]:  # tokens whose text never came (held back, then cut)
             job.send("text", ("", streamer.printed, {"drafted": [0, 0]}, unsent(state), state["count"]))
-        eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids
+        eos = bool(result.tokens) and result.tokens[-1] in self.tokenizer.eos_ids and not job.ignore_eos
         finish = "stop" if state["stopped"] or eos else "length" if len(result.tokens) >= job.max_tokens \
             else "abort" if job.cancelled.is_set() else "stop"
         cycles = len(result.accept_lengths)
@@ -265,6 +266,7 @@ class Engine:
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
+                          eos_ids=() if job.ignore_eos else self.tokenizer.eos_ids,
                           constraint=job.constraint, scores=job.scores, plain_fn=self.plain_fn,
                           step_aside=self.step_aside if job.sampling.temperature == 0 or job.seed is None else None)
         if not job.cancelled.is_set():
@@ -281,7 +283,8 @@ class Engine:
         prompts += prompts[-1:] * (self.max_batch - len(prompts))
         on_tokens = lambda row, new: streams[row][2](new) if row < len(jobs) else None  # noqa: E731
         t0 = time.perf_counter()
-        results = self.gen_batch(prompts, max(job.max_tokens for job in jobs), GREEDY, on_tokens=on_tokens)
+        results = self.gen_batch(prompts, max(job.max_tokens for job in jobs), GREEDY, on_tokens=on_tokens,
+                                 eos_ids=() if jobs[0].ignore_eos else self.tokenizer.eos_ids)  # the same in a batch
         for job, (streamer, state, _), result in zip(jobs, streams, results):
             self.metrics.count(None, batched=1)
             self.finish(job, result, streamer, state, 0, time.perf_counter() - t0)

@@ -16,7 +16,7 @@ MAX_CHOICES = 16  # prompts x n of one request
 REFUSED = {"functions": None, "function_call": None, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {},
            "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
-           "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+           "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
            "prompt_logprobs": None, "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
            "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
@@ -28,7 +28,7 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "gui
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
 READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", *GRAMMAR_FIELDS,
+        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", *GRAMMAR_FIELDS,
         *TEMPLATE_HINTS}
 # defined by OpenAI or another server, and the reply is the same with them: accepted without a word
 NO_EFFECT = {"user", "store", "metadata", "service_tier", "prediction", "prompt_cache_key", "safety_identifier",
@@ -176,6 +176,14 @@ def one_call_of(body: dict) -> bool:
     if body.get("parallel_tool_calls") not in (None, True, False):
         raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
     return body.get("parallel_tool_calls") is False
+
+
+def ignore_eos_of(body: dict) -> bool:
+    """ignore_eos (vLLM's, which load testers send for replies of a fixed length): decode past end-of-sequence up to
+    max_tokens, the end-of-sequence tokens kept in the reply as any other."""
+    if body.get("ignore_eos") not in (None, True, False):
+        raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
+    return body.get("ignore_eos") is True
 
 
 def choices_of(prompts: int, n: int):

@@ -12,7 +12,7 @@ from grammar import Constraint, after_thinking, grammar_of, response_format_gram
 from reasoning import THINK_END, reasoning_start, template_thinks
 from server.engine import Engine, Job
 from server.fields import (MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError, choices_of, fits_queue,
-                           fits_room, grammar_field_of, max_tokens_of, messages_of, model_of, number, one_call_of,
+                           fits_room, grammar_field_of, ignore_eos_of, max_tokens_of, messages_of, model_of, number, one_call_of,
                            one_grammar, prompts_of, sampling_of, separate_reasoning_of, stream_of, template_kwargs_of)
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
 
@@ -66,7 +66,7 @@ class Requests:
             else self.constraint_of(body, grammar_start)
         jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
                     reuse, loop, events, constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
-                    one_call=one_call, reasoning=split_start, index=i * n + k)
+                    one_call=one_call, reasoning=split_start, index=i * n + k, ignore_eos=ignore_eos_of(body))
                 for i, prompt in enumerate(prompts) for k in range(n)]
         return jobs, stream, usage_in_stream
 

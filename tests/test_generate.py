@@ -215,3 +215,17 @@ def test_a_head_trained_on_shorter_contexts_is_named_at_start_up(spec_pair, tmp_
     assert "the head was trained on up to 40 positions" in out and out.count("trained on up to") == 1
     run_cli(tmp_path, argv + ["--draft_checkpoint_path", str(head)])
     assert "trained on up to" not in capsys.readouterr().out
+
+
+def test_ignore_eos_decodes_past_the_end_of_sequence(spec_pair, tmp_path):
+    """A prompt whose greedy reply ends early (its end-of-sequence, id 2, reached): with --ignore_eos the reply runs to
+    --max_new_tokens, the end-of-sequence kept inside it, and equals plain decoding without an end."""
+    target, head = spec_pair
+    model = load_target(target / "model.pth", "cpu", "fp32", 128)
+    prompt = next(p for p in ([1, x] for x in range(4, 64)) if len(generate(model, p, 40, SamplingConfig(),
+                                                                             eos_ids=(2,)).tokens) < 20)
+    words = " ".join(f"w{t - 4}" for t in prompt[1:])
+    base = ["--checkpoint_path", str(target), "--device", "cpu", "--prompt", words, "--max_new_tokens", "40"]
+    assert len(run_cli(tmp_path, base)["tokens"]) < 20
+    fixed = run_cli(tmp_path, base + ["--ignore_eos", "--draft_checkpoint_path", str(head)])
+    assert fixed["tokens"] == generate(model, prompt, 40, SamplingConfig(), eos_ids=()).tokens and 2 in fixed["tokens"]

@@ -68,7 +68,7 @@ def reference():
                           on_tokens=streamer)
         streamer.flush()
         return streamer.text, result.tokens
-    reply.tokenizer = tokenizer
+    reply.tokenizer, reply.target = tokenizer, target
     return reply
 
 
@@ -730,3 +730,33 @@ def test_a_server_drafts_without_a_head(reference, flags):
     finally:
         proc.terminate()
         proc.wait(timeout=HANG_S)
+
+
+def test_what_evaluation_and_load_clients_read(server, client, reference):
+    """The reply's model is the name the request used; HEAD answers on the GET routes (aiperf probes /metrics so);
+    continuous_usage_stats puts the usage so far in every chunk (vLLM's); ignore_eos (guidellm's and aiperf's fixed
+    lengths) gives max_tokens tokens, generate()'s without an end-of-sequence; one log line a request, a refusal's
+    reason in it."""
+    named = client.completions.create(model="eaglet", prompt=PROMPTS[3], max_tokens=5, temperature=0)
+    assert named.model == "eaglet"
+    assert client.completions.create(model="target/model.pth", prompt=PROMPTS[3], max_tokens=5).model == "target/model.pth"
+    for path in ("/metrics", "/health", "/v1/models", "/"):
+        answer = httpx.head(server + path)
+        assert answer.status_code == 200 and answer.content == b"", path
+    chunks = list(client.completions.create(model="eaglet", prompt=PROMPTS[3], max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 30
+    prompt = reference.tokenizer.encode(PROMPTS[1])
+    fixed = client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=60, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    plain = generate(reference.target, prompt, 60, SamplingConfig(), eos_ids=())
+    text, tokens = reference(prompt, 60)  # the demo writes no end-of-sequence in 60 tokens: the same reply
+    assert fixed.usage.completion_tokens == 60 == len(plain.tokens) and fixed.choices[0].finish_reason == "length"
+    assert fixed.choices[0].text == text and tokens == plain.tokens
+    with pytest.raises(openai.BadRequestError, match="ignore_eos must be true or false"):
+        client.completions.create(model="eaglet", prompt="x", max_tokens=2, extra_body={"ignore_eos": "yes"})
+    until(lambda: any("request: POST /v1/completions 400: ignore_eos must be" in line for line in LOGS[server]),
+          "the refusal's log line")
+    assert any(re.match(r"request: POST /v1/completions 200, 1 choice, prompt \d+ tokens, completion 60, tau [\d.]+, "
+                        r"[\d.]+ s$", line.strip()) for line in LOGS[server])
