@@ -36,9 +36,11 @@ class GenerationResult:
     accept_lengths: list = field(default_factory=list)  # tokens emitted per cycle (speculative only)
     first_token_seconds: float = 0.0  # time to first token: the prefill (and the head's first pass), read back
     logprobs: list = field(default_factory=list)  # with sampling.logprobs = k: per token (logprob, [(id, logprob)] * k)
-    uncached: int = 1  # the last tokens whose K/V the cache lacks: the last one, sampled and never fed back (or a run
-    # of forced tokens after it); a next turn reusing the cache starts before them
+    uncached: int = 1  # the last tokens (of the prompt and the reply) whose K/V the cache lacks: the last one, sampled
+    # and never fed back (or a run of forced tokens after it); a next turn reusing the cache starts before them
     plain_tokens: int = 0  # with a head and step_aside: the tokens decoded by plain steps, speculation stepped aside
+    prompt_logprobs: list = field(default_factory=list)  # with prompt_logprobs = k: None, then per prompt token after
+    # the first (logprob, [(id, logprob)] * k)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,17 +89,39 @@ def check_fits(model: Transformer, n_prompt: int, max_new_tokens: int, extra: in
 PREFILL_CHUNK = 512
 
 
-def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
+def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK,
+                   on_logits: Optional[Callable] = None):
     """Write tokens [1, T] at positions start_pos.. into the cache, chunk tokens per forward; yield for each chunk
-    (its offset in tokens, the logits after its last token [1, vocab], its features [1, n, F])."""
+    (its offset in tokens, the logits after its last token [1, vocab], its features [1, n, F]). on_logits(offset,
+    logits [n, vocab]) sees every position's logits, one chunk's at a time (the prompt's logprobs)."""
     check_chunk(chunk)
     for s in range(0, tokens.shape[1], chunk):
         e = min(s + chunk, tokens.shape[1])
         input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)
         mask = causal_mask(input_pos, start_pos + e)  # eager: attend over the filled slots only
         logits, features = model(tokens[:, s:e], input_pos, input_pos, mask,
-                                 logits_idx=torch.tensor([-1], device=tokens.device))
+                                 logits_idx=None if on_logits else torch.tensor([-1], device=tokens.device))
+        if on_logits:
+            on_logits(s, logits[0])
         yield s, logits[:, -1], features
+
+
+def prompt_scorer(prompt: list, first: int, k: int, rows: list, block: int = 64) -> Callable:
+    """on_logits for prefill_chunks over prompt[first:]: each prompt token's logprob under the target given the tokens
+    before it, and its k likeliest alternatives, appended to rows as (logprob, [(id, logprob)] * k) in prompt order
+    (the first token has none: rows starts with None where first is 0). Scored block rows at a time, so the memory is
+    a chunk's logits and a block's log-softmax, whatever the prompt's length."""
+    if first == 0:
+        rows.append(None)
+    targets = torch.tensor(prompt[first + 1:] + [0])  # the last position predicts the reply, not a prompt token
+
+    def score(offset: int, logits: Tensor):
+        n = min(logits.shape[0], len(prompt) - 1 - first - offset)
+        for b in range(0, n, block):
+            e = min(b + block, n)
+            ids = targets[offset + b:offset + e].to(logits.device)
+            rows.extend(read_scores(token_scores(logits[b:e], ids, MAX_TOP_LOGPROBS).flatten().tolist(), k))
+    return score
 
 
 def prefill(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):
@@ -337,7 +361,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
              constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
              prefill_chunk: Optional[int] = None, step_aside=None,
-             plain_fn: Optional[Callable] = None, lookup=None) -> GenerationResult:
+             plain_fn: Optional[Callable] = None, lookup=None, prompt_logprobs: Optional[int] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -351,21 +375,30 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     head reading each chunk as it goes. step_aside (step_aside.StepAside, with a head): plain steps (plain_fn, e.g.
     compiled; default decode_one_token) wherever speculation does not pay. lookup (lookup.NgramLookup, without a
     head): drafts from the context itself, verified by step_fn (default lookup.lookup_cycle), and plain steps
-    (plain_fn) where it finds none.
+    (plain_fn) where it finds none. prompt_logprobs k: every prompt token's logprob and k alternatives from the
+    prefill itself (result.prompt_logprobs; start_pos 0: the cache must not hold the prompt already).
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
                                     on_tokens, draft=draft, tree=tree, step_fn=step_fn, run_ahead=run_ahead,
                                     scores=scores, prefill_chunk=prefill_chunk, step_aside=step_aside,
-                                    plain_fn=plain_fn, lookup=lookup)
+                                    plain_fn=plain_fn, lookup=lookup, prompt_logprobs=prompt_logprobs)
     prompt_tokens = one_prompt(prompt_tokens)
     if draft is not None and lookup is not None:
         raise EagletError("n-gram lookup drafts without a head: give a head or a lookup, not both")
     tree = lookup or tree or TreeConfig()
     check_fits(model, len(prompt_tokens), max_new_tokens, tree.scratch if draft or lookup else 0)
     prefill_chunk = prefill_chunk_of(prefill_chunk, model.max_seq_length)
+    if prompt_logprobs is not None and start_pos:
+        raise EagletError("a prompt's logprobs come from its prefill: give start_pos 0 (no reuse of the cache)")
+    prompt_rows = []
     if max_new_tokens == 0:
-        return GenerationResult(list(prompt_tokens), [], 0.0)
+        if prompt_logprobs is not None:  # the prompt scored alone (echo with no reply)
+            for _ in prefill_chunks(model, torch.tensor([prompt_tokens], device=model.output.weight.device), 0,
+                                    prefill_chunk, prompt_scorer(prompt_tokens, 0, prompt_logprobs, prompt_rows)):
+                pass
+        return GenerationResult(list(prompt_tokens), [], 0.0, prompt_logprobs=prompt_rows,
+                                uncached=0 if prompt_logprobs is not None else len(prompt_tokens))
     device = model.output.weight.device
     device_sync(device)
     t0 = time.perf_counter()
@@ -374,7 +407,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
     if draft is not None and first == 0:
         draft.read_first(model, new_tokens[0, :1])
-    for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk):
+    scorer = None if prompt_logprobs is None else prompt_scorer(prompt_tokens, first, prompt_logprobs, prompt_rows)
+    for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk, scorer):
         if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
             draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
                         first + offset, prefill_chunk)
@@ -416,7 +450,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     if scores is not None:
         del scores[scored + len(tokens):]  # those of tokens cut at EOS, max_new_tokens or a stop
     return GenerationResult(list(prompt_tokens), tokens, seconds, accept_lengths, first_token_seconds,
-                            scores[scored:] if scores is not None else [], plain_tokens=plain_tokens)
+                            scores[scored:] if scores is not None else [], plain_tokens=plain_tokens,
+                            prompt_logprobs=prompt_rows)
 
 
 def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampling: SamplingConfig,
@@ -433,6 +468,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
     prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
     t0, first_token_seconds = time.perf_counter(), None
+    prompt_k, prompt_rows = kwargs.pop("prompt_logprobs", None), []  # the first segment's prefill scores the prompt
     fast_forward = constraint.forced_min > 0 and sampling.logprobs < 0
     while True:
         ends, run, taken = {"cut": False, "stopped": False}, [], [0]
@@ -452,7 +488,8 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
             return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
         context = prompt_tokens + tokens
         segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take_allowed,
-                           first_pick=partial(constraint.pick, sampling=sampling), **kwargs)
+                           first_pick=partial(constraint.pick, sampling=sampling), prompt_logprobs=prompt_k, **kwargs)
+        prompt_k, prompt_rows = None, prompt_rows or segment.prompt_logprobs
         first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
         if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows
             raise EagletError("the grammar refused the token it had just allowed: no progress")
@@ -461,5 +498,5 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
         logprobs += segment.logprobs
         if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
-                                    logprobs, len(run) + 1 if segment.tokens else len(run))
+                                    logprobs, len(run) + 1 if segment.tokens else len(run), prompt_logprobs=prompt_rows)
         start_pos = len(context) + len(segment.tokens) - 1

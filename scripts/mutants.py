@@ -406,7 +406,7 @@ MUTANTS = [
       "                self.jobs.put_nowait(job)\n", "                self.jobs.put_nowait(job)\n"
       "            except queue.Full:\n                self.jobs.get_nowait()\n                self.jobs.put_nowait(job)\n"),
     M("serve: prefix reuse counts the last token as cached, though it never was fed back", "server/engine.py",
-      "self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]",
+      "self.cached = (job.prompt + result.tokens)[:len(job.prompt) + len(result.tokens) - result.uncached]",
       "self.cached = job.prompt + result.tokens"),
     M("structured output: a reply ending in a forced run says only its last token is not cached", "decode.py",
       "logprobs, len(run) + 1 if segment.tokens else len(run))", "logprobs)"),

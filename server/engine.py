@@ -48,6 +48,9 @@ class Job:
     scores: list = field(default_factory=list)  # with sampling.logprobs >= 0: generate appends each token's
     index: int = 0  # the choice it answers (several prompts, or n > 1: one job each, one events queue)
     ignore_eos: bool = False  # decode past end-of-sequence, up to max_tokens
+    echo: bool = False  # a completion's reply starts with its prompt (its text, and with logprobs its tokens' scores)
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: each prompt token's logprob and k alternatives
+    prompt_text: str = ""  # the prompt as the request gave it (echo)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
@@ -57,12 +60,13 @@ class Job:
 
 def done_record(job: Job, finish: str, text: str, completion_tokens: int = 0, cached: int = 0,
                 reasoning_tokens: Optional[int] = None, scores: Optional[list] = None, cycles: int = 0,
-                tau: Optional[float] = None, tokens_per_s: float = 0.0, seconds: float = 0.0, plain_tokens: int = 0):
+                tau: Optional[float] = None, tokens_per_s: float = 0.0, seconds: float = 0.0, plain_tokens: int = 0,
+                prompt_scores: Optional[list] = None):
     """A job's last event, in its one shape: why it ended, its whole text, the counts (reasoning_tokens: None where the
     reply is not split), its tokens' scores (None: no logprobs asked for) and eaglet's record of the run."""
     return {"finish_reason": finish, "text": text, "prompt_tokens": len(job.prompt),
             "completion_tokens": completion_tokens, "cached_tokens": cached, "reasoning_tokens": reasoning_tokens,
-            "logprobs": scores if job.sampling.logprobs >= 0 else None,
+            "logprobs": scores if job.sampling.logprobs >= 0 else None, "prompt_scores": prompt_scores,
             "eaglet": {"cycles": cycles, "tau": tau, "tokens_per_s": tokens_per_s, "seconds": seconds,
                        "plain_tokens": plain_tokens}}
 
@@ -90,7 +94,8 @@ class Waiting:
         job = self.held.pop(0) if self.held else self.jobs.get()
         batch = [job]
         batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
-                               and j.constraint is None and j.ignore_eos == job.ignore_eos)  # a grammar, logprobs: alone
+                               and j.constraint is None and j.ignore_eos == job.ignore_eos  # a grammar, logprobs,
+                               and j.prompt_logprobs is None and not j.echo)  # the prompt's: alone
         while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
             try:
                 other = self.held.pop(0) if self.held else self.jobs.get_nowait()
@@ -254,10 +259,25 @@ class Engine:
         job.send("done", done_record(job, finish, streamer.text, len(result.tokens), cached, thinking,
                                      scored(self.tokenizer, self.model.args.vocab_size, job, 0, result.tokens),
                                      cycles, result.tau if cycles else None, result.tokens_per_s, seconds,
-                                     result.plain_tokens))
+                                     result.plain_tokens, self.prompt_scored(job, result.prompt_logprobs)))
+
+    def prompt_scored(self, job: Job, rows: list) -> Optional[list]:
+        """The prompt's scores as the replies show them (None where none were asked for): per prompt token (its id, its
+        bytes, its logprob, [(id, bytes, logprob)] of its likeliest alternatives); the first token's logprob None."""
+        if not rows:
+            return None
+        as_bytes = partial(token_bytes, self.tokenizer, self.model.args.vocab_size)
+        return [(t, as_bytes(t), None, []) if row is None else
+                (t, as_bytes(t), row[0], [(i, as_bytes(i), p) for i, p in row[1]]) for t, row in zip(job.prompt, rows)]
+
+    def prompt_k(self, job: Job) -> Optional[int]:
+        """The alternatives a job's prompt tokens are scored with: echo's logprobs, prompt_logprobs (None: unscored)."""
+        wanted = [k for k in (job.sampling.logprobs if job.echo else -1, job.prompt_logprobs) if k is not None and k >= 0]
+        return max(wanted) if wanted else None
 
     def run(self, job: Job):
-        start = reusable(self.cached, job)
+        scored_prompt = self.prompt_k(job)
+        start = reusable(self.cached, job) if scored_prompt is None else 0  # scores come from the prompt's prefill
         self.cached = []
         if job.seed is not None:
             torch.manual_seed(job.seed)
@@ -266,11 +286,11 @@ class Engine:
         streamer, state, on_tokens = self.stream(job)
         t0 = time.perf_counter()
         result = self.gen(job.prompt, job.max_tokens, job.sampling, start_pos=start, on_tokens=on_tokens,
-                          eos_ids=() if job.ignore_eos else self.tokenizer.eos_ids,
+                          eos_ids=() if job.ignore_eos else self.tokenizer.eos_ids, prompt_logprobs=scored_prompt,
                           constraint=job.constraint, scores=job.scores, plain_fn=self.plain_fn,
                           step_aside=self.step_aside if job.sampling.temperature == 0 or job.seed is None else None)
         if not job.cancelled.is_set():
-            self.cached = job.prompt + result.tokens[:len(result.tokens) - result.uncached]
+            self.cached = (job.prompt + result.tokens)[:len(job.prompt) + len(result.tokens) - result.uncached]
         self.finish(job, result, streamer, state, start, time.perf_counter() - t0)
 
     def run_batch(self, jobs: list):

@@ -13,12 +13,12 @@ from sampling import MAX_TOP_LOGPROBS, SamplingConfig
 MAX_CHOICES = 16  # prompts x n of one request
 # Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
 # with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
-REFUSED = {"functions": None, "function_call": None, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {},
+REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "logit_bias": {},
            "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
            "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
-           "prompt_logprobs": None, "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
+           "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
            "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
            "repeat_penalty": 1, "typical_p": 1, "tfs_z": 1, "mirostat": 0, "n_probs": 0}
 # structured output: OpenAI's response_format, and the fields other engines name (vLLM's guided_*, SGLang's regex,
@@ -28,7 +28,8 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "gui
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
 READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", *GRAMMAR_FIELDS,
+        "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", "echo",
+        "prompt_logprobs", *GRAMMAR_FIELDS,
         *TEMPLATE_HINTS}
 # defined by OpenAI or another server, and the reply is the same with them: accepted without a word
 NO_EFFECT = {"user", "store", "metadata", "service_tier", "prediction", "prompt_cache_key", "safety_identifier",
@@ -191,10 +192,25 @@ def choices_of(prompts: int, n: int):
         raise ApiError(400, f"{prompts} prompts x n {n} = {prompts * n} choices; at most {MAX_CHOICES}", "n")
 
 
-def max_tokens_of(body: dict) -> tuple:
-    """(the field that limits the reply, its value or None): max_completion_tokens where given, else max_tokens."""
+def max_tokens_of(body: dict, echo: bool = False) -> tuple:
+    """(the field that limits the reply, its value or None): max_completion_tokens where given, else max_tokens; 0
+    only with echo (the prompt scored, no reply: lm-evaluation-harness's loglikelihood)."""
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return limit, number(body, limit, None, 1, 1 << 31, integer=True)
+    return limit, number(body, limit, None, 0 if echo else 1, 1 << 31, integer=True)
+
+
+def echo_of(body: dict, chat: bool) -> tuple:
+    """(echo: a completion's reply starts with its prompt, scored with logprobs; vLLM's prompt_logprobs k or None).
+    Both come from the prompt's own prefill and are answered whole (a stream of them is refused)."""
+    echo, k = body.get("echo"), number(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if echo not in (None, True, False):
+        raise ApiError(400, "echo must be true or false", "echo")
+    if echo and chat:
+        raise ApiError(400, "echo is for /v1/completions", "echo")
+    for name, given in (("echo", echo), ("prompt_logprobs", k is not None)):
+        if given and body.get("stream"):
+            raise ApiError(400, f"{name} is answered whole: leave out stream", name)
+    return echo is True, k
 
 
 def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, scratch: int, slots: int):

@@ -104,11 +104,41 @@ def whole_reply(jobs: list, done: dict, head: dict, chat: bool) -> dict:
                 message, finish = message | {"tool_calls": calls}, "tool_calls"
             content = {"message": message, "logprobs": None if logprobs is None else {"content": logprobs}}
         else:
-            content = {"text": reply["text"], "logprobs": None if logprobs is None else completion_logprobs(logprobs)[0]}
-        choices.append({"index": index, **content, "finish_reason": finish})
+            content = completion_content(jobs[index], reply, logprobs)
+        choices.append({"index": index, **content, "finish_reason": finish} | prompt_logprobs(jobs[index], reply))
     stats = done[0]["eaglet"] if len(jobs) == 1 else {"choices": [done[i]["eaglet"] for i in sorted(done)]}
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage(jobs, done), "eaglet": stats}
+
+
+def completion_content(job: Job, reply: dict, logprobs) -> dict:
+    """A completion's text and logprobs; with echo, the prompt first (its text as the request gave it, and its tokens'
+    entries, the first one's logprob null: nothing came before it), as lm-evaluation-harness reads a loglikelihood."""
+    text = reply["text"]
+    if job.echo:
+        text = job.prompt_text + text
+        if logprobs is not None:
+            logprobs = [prompt_entry(raw, logprob, top) for _, raw, logprob, top in reply["prompt_scores"]] + logprobs
+    return {"text": text, "logprobs": None if logprobs is None else completion_logprobs(logprobs)[0]}
+
+
+def prompt_entry(raw: bytes, logprob, top: list) -> dict:
+    """A prompt token's logprobs entry (the first token's logprob and alternatives: None)."""
+    entry = {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return entry | {"top_logprobs": None if logprob is None else logprob_entries([(r, p, []) for _, r, p in top])}
+
+
+def prompt_logprobs(job: Job, reply: dict) -> dict:
+    """vLLM's prompt_logprobs of a choice: null for the first prompt token, then per token a map from token id (as
+    text) to {"logprob", "decoded_token"}: the prompt's own token and its k likeliest alternatives."""
+    if job.prompt_logprobs is None:
+        return {}
+
+    def named(entries: list) -> dict:
+        return {str(i): {"logprob": p, "decoded_token": raw.decode("utf-8", errors="replace")} for i, raw, p in entries}
+    rows = [None if logprob is None else named([(t, raw, logprob)] + top[:job.prompt_logprobs])
+            for t, raw, logprob, top in reply["prompt_scores"]]
+    return {"prompt_logprobs": rows}
 
 
 def logprob_entries(scores: list) -> list:
@@ -129,7 +159,8 @@ def completion_logprobs(entries: list, before: bytes = b"") -> tuple:
         starts.append(len(before.decode("utf-8", errors="ignore")))  # a character not yet whole: not counted yet
         before += bytes(e["bytes"])
     return {"tokens": [token_name(e["bytes"]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [top_by_name(e) for e in entries], "text_offset": starts}, before
+            "top_logprobs": [None if e["logprob"] is None else top_by_name(e) for e in entries],
+            "text_offset": starts}, before
 
 
 def token_name(raw: list, taken=()) -> str:

@@ -11,7 +11,7 @@ from checkpoint import EagletError
 from grammar import Constraint, after_thinking, grammar_of, response_format_grammar
 from reasoning import THINK_END, reasoning_start, template_thinks
 from server.engine import Engine, Job
-from server.fields import (MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError, choices_of, fits_queue,
+from server.fields import (MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError, choices_of, echo_of, fits_queue,
                            fits_room, grammar_field_of, ignore_eos_of, max_tokens_of, messages_of, model_of, number, one_call_of,
                            one_grammar, prompts_of, sampling_of, separate_reasoning_of, stream_of, template_kwargs_of)
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
@@ -53,8 +53,10 @@ class Requests:
             prompts, (grammar_start, split_start) = [prompt], self.reply_starts(body, opening)
         else:
             prompts, grammar_start, split_start = self.prompts_of(body.get("prompt")), None, None
+        texts = [self.engine.tokenizer.decode(p) for p in prompts] if chat else self.prompt_texts(body.get("prompt"))
         choices_of(len(prompts), n)
-        limit, max_tokens = max_tokens_of(body)
+        echo, prompt_k = echo_of(body, chat)
+        limit, max_tokens = max_tokens_of(body, echo)
         for prompt in prompts:
             fits_room(prompt, limit, max_tokens, self.engine.room(prompt), self.engine.scratch,
                       self.engine.model.max_seq_length)
@@ -64,10 +66,12 @@ class Requests:
         one_grammar(body, calls)
         constraint = self.call_constraint(tool_form, body["tools"], calls, grammar_start) if calls \
             else self.constraint_of(body, grammar_start)
-        jobs = [Job(prompt, max_tokens or self.engine.room(prompt), sampling, None if seed is None else seed + k, stop,
-                    reuse, loop, events, constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
-                    one_call=one_call, reasoning=split_start, index=i * n + k, ignore_eos=ignore_eos_of(body))
-                for i, prompt in enumerate(prompts) for k in range(n)]
+        jobs = [Job(prompt, self.engine.room(prompt) if max_tokens is None else max_tokens, sampling,
+                    None if seed is None else seed + k, stop, reuse, loop, events,
+                    constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
+                    one_call=one_call, reasoning=split_start, index=i * n + k, ignore_eos=ignore_eos_of(body),
+                    echo=echo, prompt_logprobs=prompt_k, prompt_text=text)
+                for i, (prompt, text) in enumerate(zip(prompts, texts)) for k in range(n)]
         return jobs, stream, usage_in_stream
 
     def reply_starts(self, body: dict, opening: str) -> tuple:
@@ -163,6 +167,11 @@ class Requests:
         """A completion's prompt as token lists (fields.prompts_of: OpenAI's four shapes); several prompts are
         answered as choices in their order."""
         return [self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                for p in prompts_of(prompt, self.engine.model.args.vocab_size)]
+
+    def prompt_texts(self, prompt) -> list:
+        """A completion's prompts as text, as the request gave them (token ids decoded): what echo puts first."""
+        return [p if isinstance(p, str) else self.engine.tokenizer.decode(p)
                 for p in prompts_of(prompt, self.engine.model.args.vocab_size)]
 
     def constraint_of(self, body: dict, thinking: Optional[str]):

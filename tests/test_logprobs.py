@@ -119,3 +119,30 @@ def test_logprobs_out_of_range_or_in_a_batch_are_refused(demo):
     target, tokenizer, _ = demo
     with pytest.raises(EagletError, match="one prompt at a time"):
         generate_batch(target, [tokenizer.encode(p) for p in PROMPTS], 4, SamplingConfig(logprobs=0))
+
+
+@pytest.mark.parametrize("head", [None, "head3"])
+def test_the_prompt_s_logprobs_come_from_its_chunked_prefill(demo, head):
+    """prompt_logprobs = k: None for the first prompt token, then each one's logprob and k alternatives, equal to one
+    whole forward's however the prefill is chunked (7 tokens a forward), with or without a head reading along, with no
+    reply (max_new_tokens 0), and under a grammar (its first segment scores the prompt); the reply is unchanged."""
+    from grammar import Constraint, grammar_of
+    target, tokenizer, heads = demo
+    draft = heads.get(head)
+    if draft is not None:
+        target.set_feature_layers(draft.feature_layers)
+    ids = tokenizer.encode(PROMPTS[1] + " " + PROMPTS[0] * 3)
+    logp = forward_logprobs(target, ids)
+    plain = generate(target, ids, 12, SamplingConfig(), tokenizer.eos_ids)
+    constraint = Constraint(tokenizer, target.args.vocab_size, grammar_of("regex", "[a-z_ ]{1,20}\\n"))
+    for n, kwargs in ((12, {}), (0, {}), (12, {"constraint": constraint})):
+        result = generate(target, ids, n, SamplingConfig(), tokenizer.eos_ids, draft=draft, prefill_chunk=7,
+                          prompt_logprobs=2, **kwargs)
+        assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(ids)
+        for i, (chosen, top) in enumerate(result.prompt_logprobs[1:]):
+            assert chosen == pytest.approx(float(logp[i, ids[i + 1]]), abs=1e-4)
+            assert [p for _, p in top] == pytest.approx(logp[i].topk(2).values.tolist(), abs=1e-4)
+        if not kwargs:  # the reply is the same as without scoring the prompt
+            assert result.tokens == plain.tokens[:n]
+    with pytest.raises(EagletError, match="start_pos 0"):
+        generate(target, ids, 4, SamplingConfig(), start_pos=3, prompt_logprobs=1)

@@ -760,3 +760,47 @@ def test_what_evaluation_and_load_clients_read(server, client, reference):
           "the refusal's log line")
     assert any(re.match(r"request: POST /v1/completions 200, 1 choice, prompt \d+ tokens, completion 60, tau [\d.]+, "
                         r"[\d.]+ s$", line.strip()) for line in LOGS[server])
+
+
+def test_echo_and_prompt_logprobs_score_the_prompt_as_a_forward_does(client, reference):
+    """lm-evaluation-harness's loglikelihood request (local-completions: token ids, max_tokens 1, logprobs 1, echo) gets
+    the prompt back with every token's logprob under the target, the first null, then the reply's: each equal to a
+    plain forward's log-softmax over the whole prompt; max_tokens 0 with echo scores the prompt alone; vLLM's
+    prompt_logprobs names each token by id; echo is refused where it cannot be honoured (a stream, a chat)."""
+    tokenizer, target = reference.tokenizer, reference.target
+    context, continuation = tokenizer.encode("def read_lines(path):\n"), tokenizer.encode("    with open", bos=False)
+    ids = context + continuation
+    with torch.no_grad():
+        pos = torch.arange(len(ids))
+        logits, _ = target(torch.tensor([ids]), pos, pos, torch.ones(len(ids), len(ids), dtype=torch.bool).tril())
+    want = torch.log_softmax(logits[0].float(), -1)
+    raw = httpx.post(client.base_url.join("completions"), json={
+        "model": "eaglet", "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+        "seed": 1234}, timeout=HANG_S).json()
+    logprobs = raw["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(ids) + 1
+    for i in range(1, len(ids) + 1):
+        assert logprobs["token_logprobs"][i] == pytest.approx(want[i - 1, (ids + [None])[i] or want[i - 1].argmax()].item(),
+                                                              abs=1e-4)
+    ctxlen = len(context)  # what lm-eval then computes
+    score = sum(logprobs["token_logprobs"][ctxlen:-1])
+    assert score == pytest.approx(sum(want[i - 1, ids[i]].item() for i in range(ctxlen, len(ids))), abs=1e-3)
+    greedy = all(lp == max(top.values()) for lp, top in zip(logprobs["token_logprobs"][ctxlen:-1],
+                                                          logprobs["top_logprobs"][ctxlen:-1]))
+    assert greedy == all(want[i - 1].argmax().item() == ids[i] for i in range(ctxlen, len(ids)))
+    assert raw["choices"][0]["text"].startswith(tokenizer.decode(ids))
+    alone = client.completions.create(model="eaglet", prompt="def add(a, b):", max_tokens=0, echo=True, logprobs=2,
+                                      extra_body={"prompt_logprobs": 1})
+    choice = alone.choices[0]
+    assert choice.text == "def add(a, b):" and alone.usage.completion_tokens == 0
+    prompt = tokenizer.encode("def add(a, b):")
+    named = choice.model_extra["prompt_logprobs"]
+    assert named[0] is None and len(named) == len(prompt) == len(choice.logprobs.token_logprobs)
+    assert all(str(t) in row and row[str(t)]["logprob"] == lp
+               for t, row, lp in zip(prompt[1:], named[1:], choice.logprobs.token_logprobs[1:]))
+    for extra, words in (({"stream": True, "echo": True}, "echo is answered whole"),
+                         ({"echo": True, "messages": [{"role": "user", "content": "x"}]}, None)):
+        with pytest.raises(openai.BadRequestError, match=words or "."):
+            client.completions.create(model="eaglet", prompt="x", max_tokens=2, extra_body=extra) if words else \
+                client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                               extra_body={"echo": True})
