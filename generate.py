@@ -183,6 +183,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float_flag(0, 1), default=1.0, help="nucleus sampling: keep this much mass")
     p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--min_p", type=float_flag(0, 1), default=0.0,
+                   help="keep the tokens at least this many times as likely as the likeliest; 0 = off")
     p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
     p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -279,10 +281,11 @@ import tp  # noqa: E402
 from tune import auto_tree, pick_total_tokens  # noqa: E402
 
 # The flags load() takes, each as the keyword of its name (prompts: the texts parse_args gathered).
-LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "ngram_min", "ngram_max", "draft_vocab", "device", "precision", "tree", "depth",
-              "tree_topk", "total_tokens", "tree_choices", "confidence", "draft_window", "draft_sinks",
-              "prefill_chunk", "chat_template", "chat_template_kwargs", "max_seq_length", "temperature", "top_p",
-              "top_k", "prompts", "chat", "interactive", "system", "max_new_tokens", "batch_size", "json_out")
+LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "ngram_min", "ngram_max",
+              "draft_vocab", "device", "precision", "tree", "depth", "tree_topk", "total_tokens", "tree_choices",
+              "confidence", "draft_window", "draft_sinks", "prefill_chunk", "chat_template", "chat_template_kwargs",
+              "max_seq_length", "temperature", "top_p", "top_k", "min_p", "prompts", "chat", "interactive", "system",
+              "max_new_tokens", "batch_size", "json_out")
 
 
 def load_settings(args) -> dict:

@@ -28,11 +28,15 @@ class SamplingConfig:
     temperature: float = tensor_setting(0.0)  # 0 means greedy
     top_p: float = tensor_setting(1.0)
     top_k: int = tensor_setting(0)  # 0 means no top-k filter
+    min_p: float = tensor_setting(0.0)  # keep the tokens at least min_p times as likely as the likeliest; 0 means off
     logprobs: int = -1  # k >= 0: each token's logprob under the target and its k likeliest tokens (token_scores)
 
     def __post_init__(self):
-        if not all(map(math.isfinite, (self.temperature, self.top_p))):
-            raise EagletError(f"temperature and top_p must be finite numbers, got {self.temperature} and {self.top_p}")
+        if not all(map(math.isfinite, (self.temperature, self.top_p, self.min_p))):
+            raise EagletError(f"temperature, top_p and min_p must be finite numbers, got {self.temperature}, "
+                              f"{self.top_p} and {self.min_p}")
+        if not 0 <= self.min_p <= 1:
+            raise EagletError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.temperature < 0:
             raise EagletError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -77,23 +81,25 @@ class SamplingInputs:
 
 
 def logits_to_probs(logits: Tensor, sampling) -> Tensor:
-    """The target distribution under temperature, top-k and top-p; the one place sampling is defined. sampling: a
-    SamplingConfig or its SamplingInputs; the settings are read as tensors either way (no shape depends on them)."""
+    """The target distribution under temperature, top-k, top-p and min-p; the one place sampling is defined. sampling:
+    a SamplingConfig or its SamplingInputs; the settings are read as tensors either way (no shape depends on them)."""
     settings = sampling.inputs(logits.device).named()
-    temperature, top_p, top_k = settings["temperature"], settings["top_p"], settings["top_k"]
+    temperature, top_p, top_k, min_p = settings["temperature"], settings["top_p"], settings["top_k"], settings["min_p"]
     logits = logits.float()
     # (logits - max) keeps the top logit at exactly 0, so a tiny temperature cannot make inf - inf = nan: it
     # tends to greedy. Below float32's smallest normal the temperature would round to 0 (0 / 0): clamp it.
     temperature = temperature.clamp(min=torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    # One sort serves both filters: top-k keeps the tokens at least as likely as the k-th (ties kept), top-p those
-    # whose more likely tokens hold less than top_p (so the token crossing top_p is kept).
+    # One sort serves the three filters: top-k keeps the tokens at least as likely as the k-th (ties kept), top-p those
+    # whose more likely tokens hold less than top_p (so the token crossing top_p is kept), min-p those at least min_p
+    # times as likely as the first (a ratio the other two leave as it is: the order they run in does not matter).
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).long()
     kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))
     sorted_probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
     drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
+    drop |= sorted_probs < min_p * sorted_probs[..., :1]
     probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0))
     return probs / probs.sum(-1, keepdim=True)
 

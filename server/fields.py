@@ -16,7 +16,7 @@ MAX_CHOICES = 16  # prompts x n of one request
 REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "logit_bias": {},
            "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
-           "min_p": 0, "repetition_penalty": 1, "min_tokens": 0, "stop_token_ids": [],
+           "repetition_penalty": 1, "min_tokens": 0, "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
            "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
            "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
@@ -26,7 +26,7 @@ REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": Non
 GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "guided_regex", "grammar",
                   "guided_grammar", "guided_choice")
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
-READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", "echo",
         "prompt_logprobs", *GRAMMAR_FIELDS,
@@ -103,7 +103,9 @@ def sampling_of(body: dict, chat: bool = True) -> tuple:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=logprobs_of(body, chat))
+    min_p = number(body, "min_p", 0.0, 0, 1)
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              logprobs=logprobs_of(body, chat))
     return sampling, seed, stop
 
 

@@ -48,12 +48,13 @@ def eagle3_pair(pair, tmp_path_factory):
 def exact_distribution(target_dir, sampling, prompt=PROMPT):
     """P(first N_TOKENS tokens) by enumeration with transformers' model and its own logits warpers."""
     from transformers import AutoModelForCausalLM
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
     hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     warp = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)] +
                                ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []) +
-                               ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+                               ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []) +
+                               ([MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []))
     prefixes = list(product(range(VOCAB), repeat=N_TOKENS - 1))
     ids = torch.tensor([prompt + list(p) for p in prefixes])
     with torch.no_grad():
@@ -113,7 +114,8 @@ def chi_square_p_below(counts, dist, alpha=1e-3):
 @pytest.mark.parametrize("sampling", [
     pytest.param(SamplingConfig(temperature=1.0), id="t1"),
     pytest.param(SamplingConfig(temperature=0.8, top_p=0.9), id="t0.8-top_p0.9", marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.3, top_k=5), id="t1.3-top_k5", marks=pytest.mark.slow)])
+    pytest.param(SamplingConfig(temperature=1.3, top_k=5), id="t1.3-top_k5", marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.0, top_p=0.95, min_p=0.15), id="t1-top_p0.95-min_p0.15")])
 def test_speculative_sampling_matches_target_distribution(pair, sampling):
     target_dir, model, draft = pair
     counts = speculative_samples(model, draft, sampling)
@@ -202,12 +204,13 @@ def test_batched_rows_sample_the_target_distribution(pair):
 SETTINGS = [SamplingConfig(0.0), SamplingConfig(0.7), SamplingConfig(1.3, top_p=0.9), SamplingConfig(0.9, top_k=3),
             SamplingConfig(1.1, top_p=0.8, top_k=5), SamplingConfig(0.5, logprobs=0), SamplingConfig(1.0, logprobs=3),
             SamplingConfig(0.0, logprobs=5), SamplingConfig(2.0, top_k=1), SamplingConfig(0.6, top_p=0.5, logprobs=2),
-            SamplingConfig(1e-3), SamplingConfig(0.0, top_k=2, top_p=0.3)]  # a dozen requests, each its own
+            SamplingConfig(1e-3), SamplingConfig(0.0, top_k=2, top_p=0.3), SamplingConfig(0.9, min_p=0.3),
+            SamplingConfig(1.2, top_k=4, min_p=0.05, logprobs=1)]  # a dozen requests, each its own
 
 
 @pytest.mark.slow
 def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compiling(pair):
-    """Temperature, top_p, top_k and logprobs' k are tensor inputs of the compiled step and cycle: after warming up
+    """Temperature, top_p, top_k, min_p and logprobs' k are tensor inputs of the compiled step and cycle: after warming up
     their graphs (greedy or sampled, logprobs or not: four each), a dozen requests with settings of their own compile
     nothing and are all answered (greedy ones as eager decoding answers them); a new setting's draws follow the
     target's law (chi-square)."""
@@ -243,7 +246,7 @@ def test_the_tensor_settings_are_named_by_the_config_fields():
     """A compiled step reads the sampling settings from one tensor, each by its SamplingConfig field's name; whole
     numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
     from sampling import TENSOR_SETTINGS
-    assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k")
-    named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, logprobs=3).inputs("cpu").named()
-    assert {k: v.item() for k, v in named.items()} == {"temperature": 0.5, "top_p": 0.25, "top_k": 7.0}
+    assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k", "min_p")
+    named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, logprobs=3).inputs("cpu").named()
+    assert {k: v.item() for k, v in named.items()} == {"temperature": 0.5, "top_p": 0.25, "top_k": 7.0, "min_p": 0.125}
     assert SamplingConfig(top_k=10**9).inputs("cpu").named()["top_k"].item() == 2**24

@@ -207,7 +207,10 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True}, 400, "use_beam_search", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": 1}, 400, "use_beam_search", "cannot honour"),  # 1 == True
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty", "cannot honour"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", "between 0 and 1"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "answered whole"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "between 1 and"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [2]}, 400, "stop_token_ids", "cannot honour"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400,
      "modalities", "cannot honour"),
@@ -623,7 +626,8 @@ def test_fields_that_change_the_reply_are_honoured_or_refused_and_unknown_ones_l
     until(lambda: any("eaglet_unknown_field" in line for line in LOGS[server]), "the server's warning line")
     named = [line for line in LOGS[server] if "eaglet_unknown_field" in line]
     assert len(named) == 1 and named[0].startswith("warning:")
-    assert not any("'user'" in line or "use_beam_search" in line for line in LOGS[server])
+    warnings = [line for line in LOGS[server] if line.startswith("warning:")]  # refusals have lines of their own
+    assert not any("'user'" in line or "use_beam_search" in line for line in warnings)
 
 
 AGENT_BODIES = {  # request bodies the agent frameworks send (from their sources' documented parameters)

@@ -43,7 +43,7 @@ def streamed(start, tool_form, pieces: list) -> tuple:
     reply, text, got = StreamReply(jobs, {"id": "x"}, chat=True), "".join(pieces), {"reasoning_content": "", "content": ""}
     chunks = []
     for piece in pieces:
-        new = [json.loads(c[6:]) for c in reply.text(0, (piece, 0, {"drafted": [0, 0]}, []))]
+        new = [json.loads(c[6:]) for c in reply.text(0, (piece, 0, {"drafted": [0, 0]}, [], 0))]
         chunks += new
         for c in new:
             for name, at in (("reasoning_content", "reasoning_at"), ("content", "content_at")):
