@@ -1,5 +1,5 @@
 """Several prompts decoded together (generate_batch): prefilled as padded rows, then one step or one cycle serves
-every row, each at its own context. Imports model.py, attention.py, draft_tree.py, draft.py, decode.py and lookup.py."""
+every row, each at its own context."""
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -46,7 +46,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     padded = torch.tensor([p + [p[-1]] * (max(map(len, prompts)) - len(p)) for p in prompts], device=device)
     logits, features = prefill_rows(model, padded, lengths, prefill_chunk)
     if draft is not None:
-        draft.read_first(model, padded[:, 0])
+        draft.catch_up_first(model, padded[:, 0])
     token = sample(logits, sampling)  # [B]
     rows = [[] for _ in prompts]
     accept_lengths, seconds = [[] for _ in prompts], [0.0] * len(prompts)
@@ -59,7 +59,7 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
         step_fn = step_fn or speculative_cycle
         # Row b's pairs (f_t, x_{t+1}): its prompt shifted by one, its root at index len_b - 1.
         pairs = torch.cat([padded[:, 1:], padded[:, :1]], dim=1).scatter(1, (lengths - 1)[:, None], token[:, None])
-        h_last = draft_reads_rows(model, draft, pairs, features, lengths, prefill_chunk)
+        h_last = catch_up_rows(model, draft, pairs, features, lengths, prefill_chunk)
     indexes = [NgramIndex(lookup) for _ in prompts] if lookup is not None else []
     for index, prompt in zip(indexes, prompts):
         index.extend(prompt)
@@ -114,9 +114,9 @@ def prefill_rows(model: Transformer, padded: Tensor, lengths: Tensor, chunk: int
     return logits, torch.cat(features, dim=1)
 
 
-def draft_reads_rows(target: Transformer, draft: DraftHead, pairs: Tensor, features: Tensor, lengths: Tensor,
+def catch_up_rows(target: Transformer, draft: DraftHead, pairs: Tensor, features: Tensor, lengths: Tensor,
                      chunk: int) -> Tensor:
-    """draft_reads for a batch: row b's pairs (features [B, T, F], pairs [B, T]) up to its root at lengths[b] - 1,
+    """catch_up_chunks for a batch: row b's pairs (features [B, T, F], pairs [B, T]) up to its root at lengths[b] - 1,
     chunk pairs per call; the head's output for each row's last pair [B, dim]."""
     h_last = None
     for s in range(0, pairs.shape[1], chunk):

@@ -3,13 +3,9 @@ checks and prefill, sampling, the plain step, the EAGLE-2 cycle in its phases (e
 speculative_cycle), the head's reads, the calls run ahead (run_calls), and generate / generate_constrained, which
 run them and read their tokens back.
 
-Imports model.py, attention.py, draft_tree.py, draft.py and tp.py, nothing above them. Built on it: graphs.py
-(compiling the step and the cycle, captured graphs), batch.py (several prompts at once, generate_batch) and
-step_aside.py (plain steps where speculation does not pay); what a step reads in weights is in quantize.py and
-generate.py.
-The cycle lives here, below generate.py, because the tree tuner (tune.py) decodes with it and generate.py's
-main runs the tuner: with the cycle in generate.py, the two would import each other. Forks import these names from
-here (from decode import generate); load.py loads a target and a head for them.
+Built on it: graphs.py (compiling), batch.py (several prompts at once), step_aside.py, lookup.py (n-gram lookup);
+the imports of every file are in docs/files.md. Forks import these names from here (from decode import generate);
+load.py loads a target and a head for them.
 """
 import os
 import time
@@ -234,7 +230,7 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
     return emitted, n_accepted, bonus, next_ctx, h_last
 
 
-def draft_reads(target: Transformer, draft: DraftHead, next_tokens: Tensor, features: Tensor, first: int,
+def catch_up_chunks(target: Transformer, draft: DraftHead, next_tokens: Tensor, features: Tensor, first: int,
                 chunk: int = PREFILL_CHUNK) -> Tensor:
     """The head reads the pairs (features[i], next_tokens[i]) of positions first.., chunk pairs per call (its masks
     [chunk, L] at most); returns its output for the last pair."""
@@ -246,21 +242,21 @@ def draft_reads(target: Transformer, draft: DraftHead, next_tokens: Tensor, feat
     return h_last
 
 
-def draft_start(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
+def catch_up_prompt(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
                 root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
     """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
     on (features: the target's over prompt[first:]), the last one pairing with the root."""
     device = root.device
     pairs = torch.cat([torch.tensor(prompt[first + 1:], dtype=torch.long, device=device), root.view(1)])
-    return draft_reads(target, draft, pairs, features[0], first, chunk)
+    return catch_up_chunks(target, draft, pairs, features[0], first, chunk)
 
 
-def catch_up_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
+def catch_up_after_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
                    chunk: Optional[int] = None) -> Tensor:
     """The head's h_last after plain steps wrote context[first:]: the target's features of those tokens (their K/V
     written again, the same), and the head reads their pairs, the last with the root."""
     _, features = prefill(target, torch.tensor([context[first:]], device=root.device), first, chunk or PREFILL_CHUNK)
-    return draft_start(target, draft, context, first, features, root, chunk or PREFILL_CHUNK)
+    return catch_up_prompt(target, draft, context, first, features, root, chunk or PREFILL_CHUNK)
 
 
 def plain_call(model, sampling: SamplingInputs, step_fn, state, filled: int):
@@ -406,11 +402,11 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     first = max(start_pos - 1, 0) if draft else start_pos
     new_tokens = torch.tensor([prompt_tokens[first:]], device=device)
     if draft is not None and first == 0:
-        draft.read_first(model, new_tokens[0, :1])
+        draft.catch_up_first(model, new_tokens[0, :1])
     scorer = None if prompt_logprobs is None else prompt_scorer(prompt_tokens, first, prompt_logprobs, prompt_rows)
     for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk, scorer):
         if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
-            draft_reads(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
+            catch_up_chunks(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
                         first + offset, prefill_chunk)
     token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
     tokens, accept_lengths = [], []
@@ -434,7 +430,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
             run_calls(partial(plain_call, model, inputs, step_fn), (token, ctx_len), len(prompt_tokens), tokens, emit,
                       max_new_tokens, 1, ahead, None, scores, sampling.logprobs)
         else:
-            h_last = draft_start(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
+            h_last = catch_up_prompt(model, draft, prompt_tokens, first + offset, features, token, prefill_chunk)
             call, state = partial(cycle_call, model, draft, tree, inputs, step_fn), (token, ctx_len, h_last)
             if step_aside is None:
                 run_calls(call, state, len(prompt_tokens), tokens, emit, max_new_tokens, tree.levels, ahead,
@@ -443,7 +439,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                 plain_before = step_aside.plain_tokens
                 step_aside.run(call, partial(plain_call, model, inputs, plain_fn), state, prompt_tokens, tokens, emit,
                                max_new_tokens, tree.levels, ahead, accept_lengths, scores, sampling.logprobs,
-                               partial(catch_up_plain, model, draft, chunk=prefill_chunk))
+                               partial(catch_up_after_plain, model, draft, chunk=prefill_chunk))
                 plain_tokens = step_aside.plain_tokens - plain_before
     seconds = time.perf_counter() - t0  # the last tokens are read: a call queued ahead and thrown away is not waited for
     device_sync(device)

@@ -113,7 +113,7 @@ class DraftHead(nn.Module):
         h = self.step(target, tokens, features, pos, pos, self.context_mask(ctx_len, causal))
         return take(h, n_accepted[..., None])[..., 0, :]
 
-    def read_first(self, target: Transformer, tokens: Tensor):
+    def catch_up_first(self, target: Transformer, tokens: Tensor):
         """The context's first tokens ([1], or [B] for a batch) before a prefill from position 0: a head's first pair
         starts there, so nothing to read (a draft model, which reads tokens, overrides this)."""
 

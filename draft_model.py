@@ -8,7 +8,7 @@ cycle at ctx_len is in its cache already (the last catch-up read it, as the bonu
 ctx_len + 1 + i, and its h_last is its logits after the root. The catch-up reads the emitted tokens after the root
 (the accepted drafts and the bonus; past them, padding whose K/V lies beyond the context and is overwritten later).
 
-Imports model.py and draft.py; load.py builds it from a converted checkpoint (generate.py --draft_model).
+load.py builds it from a converted checkpoint (generate.py --draft_model).
 """
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ class DraftModel(DraftHead):
     def context_mask(self, ctx_len: Tensor, block: Tensor):
         return super().context_mask(ctx_len + 1, block)  # the root, at ctx_len, is context
 
-    def read_first(self, target: Transformer, tokens: Tensor):
+    def catch_up_first(self, target: Transformer, tokens: Tensor):
         """The context's first token (tokens [1] or [B], at position 0): a head's first pair starts there, a model's
         first call one position later."""
         pos = torch.zeros(1, dtype=torch.long, device=tokens.device)

@@ -311,13 +311,13 @@ def grammar_flag(args) -> Optional[str]:
     return grammar_of("json_schema", json.dumps(schema))
 
 
-def stepping_aside_on(args, draft: Optional[DraftHead], sampling: SamplingConfig, group) -> bool:
+def step_aside_on(args, draft: Optional[DraftHead], sampling: SamplingConfig, group) -> bool:
     """--step_aside on, with a head, where it cannot change the output: greedy (sampled, a seed's sample would depend
     on where the clock said to step aside), one process (tensor parallel ranks would time, and decide, apart)."""
     return draft is not None and args.step_aside == "on" and sampling.temperature == 0 and group is None
 
 
-def stepping_aside(gen, plain_fn):
+def with_step_aside(gen, plain_fn):
     """gen with a fresh StepAside for each generation (a warm-up's compile times are not carried into the next)."""
     return lambda *a, **k: gen(*a, step_aside=StepAside(), plain_fn=plain_fn, **k)
 
@@ -405,9 +405,9 @@ def main(argv=None):
                           plain_fn=compile_step(decode_one_token, args.device) if args.compile else None)
             if args.compile:
                 warm_up_lookup(model, tree, step_fn, sampling)
-        if stepping_aside_on(args, draft, sampling, group):  # each generation times its own cycles and steps
+        if step_aside_on(args, draft, sampling, group):  # each generation times its own cycles and steps
             plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
-            gen = stepping_aside(gen, plain_fn)
+            gen = with_step_aside(gen, plain_fn)
         if getattr(args, "grammar", None):  # a fresh grammar state for every generation (warm-up and samples)
             gen = constrained(gen, tokenizer, model.args.vocab_size, args.grammar)
         show = partial(report, model=model, device=args.device, draft=draft, tree=tree)

@@ -1,5 +1,5 @@
 """Compiling the step and the cycle: torch.compile's settings, and how a compiled CUDA step or cycle is replayed
-(torch.compile's CUDA-graph trees, or CapturedGraphs). Imports model.py, draft_tree.py, decode.py and lookup.py."""
+(torch.compile's CUDA-graph trees, or CapturedGraphs)."""
 import os
 from typing import Callable
 

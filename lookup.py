@@ -8,7 +8,7 @@ Exact, greedy or sampled: accept() draws the target's own pick at every node and
 A lookup's draft is deterministic (a one-hot draft distribution q): speculative sampling then accepts draft x with
 probability min(1, p(x) / q(x)) = p(x), and on rejection draws from p with x removed; the pick does exactly that.
 
-Imports model.py, draft_tree.py, decode.py and sampling.py; generate() runs it (lookup=NgramLookup(...)).
+generate() runs it (lookup=NgramLookup(...)).
 """
 from dataclasses import dataclass, field
 from typing import Callable, Optional

@@ -113,11 +113,11 @@ class StepAside:
         return math.ceil(short / (self.share * self.step_seconds)) if short > 0 else 0
 
     def run(self, *args):
-        """run_stepping_aside with this gate: generate() calls it so, and decode.py need not import this file."""
-        return run_stepping_aside(self, *args)
+        """run_step_aside with this gate: generate() calls it so, and decode.py need not import this file."""
+        return run_step_aside(self, *args)
 
 
-def run_stepping_aside(gate: StepAside, cycle, plain, state, prompt: list, tokens: list, emit: Callable,
+def run_step_aside(gate: StepAside, cycle, plain, state, prompt: list, tokens: list, emit: Callable,
                        max_new_tokens: int, widest: int, ahead: bool, accept_lengths: list, scores, k: int,
                        head_reads: Callable):
     """run_calls in segments of cycles or of plain steps, as gate says after each call. A segment ends at the

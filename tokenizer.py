@@ -3,7 +3,6 @@
 The checkpoint's own chat template (chat_template.jinja, as recent transformers save it, or the
 chat_template of tokenizer_config.json / chat_template.json) is rendered with jinja2; LLaMA-2-chat and
 Vicuna templates are built in for checkpoints that have none, and `chat_template_source` says which is used.
-Imports checkpoint.py (EagletError) only.
 """
 import json
 import re

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cli import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, TREE_GRID, grid_text, torchrun_rank
-from decode import TreeConfig, device_sync, draft_start, generate, prefill, speculative_cycle
+from decode import TreeConfig, device_sync, catch_up_prompt, generate, prefill, speculative_cycle
 from sampling import SamplingConfig, sample
 from draft import DraftHead
 from attention import causal_mask
@@ -119,8 +119,8 @@ def cycle_start(target: Transformer, draft: Optional[DraftHead], prompt: list) -
     logits, features = prefill(target, torch.tensor([prompt], device=device), 0)
     root = sample(logits, SamplingConfig())[0]
     if draft is not None:
-        draft.read_first(target, torch.tensor(prompt[:1], device=device))
-    h_last = draft_start(target, draft, prompt, 0, features, root) if draft is not None else None
+        draft.catch_up_first(target, torch.tensor(prompt[:1], device=device))
+    h_last = catch_up_prompt(target, draft, prompt, 0, features, root) if draft is not None else None
     return root, torch.tensor(len(prompt), device=device), h_last
 
 def cycle_timing(target: Transformer) -> str:

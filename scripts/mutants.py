@@ -425,7 +425,7 @@ MUTANTS = [
     M("draft model: its calls at a head's positions, not one after", "draft_model.py",
       "logits, _ = self.model(tokens, input_pos + 1, slots + 1, mask)", "logits, _ = self.model(tokens, input_pos, slots, mask)"),
     M("draft model: the context's first token never read", "decode.py",
-      "        draft.read_first(model, new_tokens[0, :1])\n", "        pass\n"),
+      "        draft.catch_up_first(model, new_tokens[0, :1])\n", "        pass\n"),
     M("draft model: the root not seen as context", "draft_model.py",
       "return super().context_mask(ctx_len + 1, block)", "return super().context_mask(ctx_len, block)"),
     M("lookup: a continuation starts inside the matched n-gram", "lookup.py",

@@ -141,7 +141,7 @@ class Engine:
         self.gen = partial(generate, self.model, eos_ids=self.tokenizer.eos_ids, draft=self.draft,
                            tree=self.tree, step_fn=step, prefill_chunk=args.prefill_chunk)
         self.scratch = self.tree.scratch if self.draft is not None or args.ngram else 0
-        self.step_aside, self.plain_fn = None, None  # set by stepping_aside, once the warm-ups are done
+        self.step_aside, self.plain_fn = None, None  # set by start_step_aside, once the warm-ups are done
         if args.ngram:  # the lookup's verifies, and plain steps where it finds nothing
             self.plain_fn = compile_step(decode_one_token, args.device) if args.compile else None
             self.gen = partial(self.gen, lookup=self.tree, tree=None, plain_fn=self.plain_fn)
@@ -158,7 +158,7 @@ class Engine:
         if args.compile:  # every graph the step has (greedy or sampled, logprobs or not) before any request
             warm_up(lambda prompt, n: [self.gen(prompt, n, s) for s in WARM_UP], self.tokenizer.encode("Hello"), 16)
 
-    def stepping_aside(self, args):
+    def start_step_aside(self, args):
         """--step_aside on with a head: plain steps wherever a cycle costs more than the tokens it gives, judged by one
         StepAside for the engine's life (its estimates carry from request to request); its compiled plain step warmed
         up first, and no compile time taken for a cost. Not for a sampled request with a seed: where the clock said to
@@ -186,7 +186,7 @@ class Engine:
         # spinning by earlier torch work, competed with this thread's (a matmul took 15x as long).
         try:
             self.load(args)
-            self.stepping_aside(args)
+            self.start_step_aside(args)
         except Exception as e:  # a user mistake (EagletError) or a bug: main raises it, never a server with no engine
             self.failure = e
         finally:

@@ -100,7 +100,7 @@ def my_pass(model, draft, committed: list, root: int):
     """eaglet's block after catching up on the committed tokens: the draft rows' states and logits."""
     _, features = decode.prefill(model, torch.tensor([committed]), 0)
     with torch.no_grad():
-        h_last = decode.draft_start(model, draft, committed, 0, features, torch.tensor(root))
+        h_last = decode.catch_up_prompt(model, draft, committed, 0, features, torch.tensor(root))
         return draft.draft_rows(model, torch.tensor(root), torch.tensor(len(committed)), draft.max_levels, h_last)
 
 

@@ -8,7 +8,7 @@ from attention import boolean_mask
 from measure import random_models
 from conftest import make_context_pair
 from convert_hf_checkpoint import convert
-from decode import TreeConfig, draft_start, generate, prefill
+from decode import TreeConfig, catch_up_prompt, generate, prefill
 from sampling import SamplingConfig
 from load import load_draft, load_target
 from model import EagletError, ModelArgs
@@ -30,7 +30,7 @@ def cycle_outputs(target, draft, prompt, tree):
     root, ctx = torch.tensor(7), torch.tensor(len(prompt))
     with torch.no_grad():
         _, features = prefill(target, torch.tensor([prompt]), 0)
-        h_last = draft_start(target, draft, prompt, 0, features, root)
+        h_last = catch_up_prompt(target, draft, prompt, 0, features, root)
         expanded = tree.expand(target, draft, root, ctx, h_last)
     return h_last, expanded.tokens, expanded.draft_logp
 
@@ -65,7 +65,7 @@ def test_the_head_reads_only_the_band_of_its_cache():
     with torch.no_grad():
         _, features = prefill(target, torch.tensor([prompt]), 0)
         draft.set_window(WINDOW, SINKS)
-        h_last = draft_start(target, draft, prompt, 0, features, root)
+        h_last = catch_up_prompt(target, draft, prompt, 0, features, root)
         before = tree.expand(target, draft, root, ctx, h_last).draft_logp
         draft.kv_cache.kv[..., SINKS:len(prompt) - WINDOW, :] = torch.randn_like(
             draft.kv_cache.kv[..., SINKS:len(prompt) - WINDOW, :])
@@ -98,7 +98,7 @@ def test_a_windowed_call_reads_the_same_keys_at_any_context_length():
         prompt = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         with torch.no_grad():
             _, features = prefill(target, torch.tensor([prompt]), 0)
-            h_last = draft_start(target, draft, prompt, 0, features, torch.tensor(7))
+            h_last = catch_up_prompt(target, draft, prompt, 0, features, torch.tensor(7))
             with KeyLengths() as keys:
                 tree.expand(target, draft, torch.tensor(7), torch.tensor(n), h_last)
         seen[n] = keys.lengths

@@ -304,7 +304,7 @@ def test_speculators_layouts_draft_what_speculators_computes(target8, tmp_path, 
     committed, root = [1, 17, 40, 8, 33, 71, 5], 22
     rows, logits = oracle_block(oracle, hf, committed, root, 4)
     _, features = decode.prefill(model, torch.tensor([committed]), 0)
-    decode.draft_start(model, draft, committed, 0, features, torch.tensor(root))
+    decode.catch_up_prompt(model, draft, committed, 0, features, torch.tensor(root))
     with torch.no_grad():
         states = draft.block_states(model, torch.tensor(root), torch.tensor(len(committed)), draft.max_levels)
         mine = draft.logits(model, states)

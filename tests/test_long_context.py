@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from measure import random_models
 from batch import generate_batch
-from decode import TreeConfig, draft_start, generate, prefill
+from decode import TreeConfig, catch_up_prompt, generate, prefill
 from sampling import SamplingConfig
 from load import load_target
 from model import EagletError
@@ -63,7 +63,7 @@ def test_a_16k_prefill_allocates_nothing_of_prompt_times_cache_size():
 
 @pytest.mark.parametrize("head", ["eagle", "dflash", "peagle", "xpress"])
 def test_a_head_reads_a_prompt_in_chunks_as_in_one_call(head):
-    """draft_start over a 300-token prompt in chunks of 7, 41 and 300 pairs: the same h_last and the same K/V in
+    """catch_up_prompt over a 300-token prompt in chunks of 7, 41 and 300 pairs: the same h_last and the same K/V in
     the head's cache; and generate() with any chunk decodes the same tokens as plain decoding."""
     target, draft = random_models("tiny", "cpu", torch.float32, 1024, head=head)
     prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -73,7 +73,7 @@ def test_a_head_reads_a_prompt_in_chunks_as_in_one_call(head):
         states = {}
         for chunk in (300, 41, 7):
             draft.kv_cache.kv.zero_()
-            h_last = draft_start(target, draft, prompt, 0, features, root, chunk)
+            h_last = catch_up_prompt(target, draft, prompt, 0, features, root, chunk)
             states[chunk] = (h_last, draft.kv_cache.kv[:, :, :, :, :300].clone())
     for chunk in (41, 7):
         torch.testing.assert_close(states[chunk][0], states[300][0], atol=1e-5, rtol=1e-5)

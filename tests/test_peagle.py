@@ -96,7 +96,7 @@ def test_block_rows_draft_what_speculators_computes(target8, tmp_path, monkeypat
     want = oracle_rows(oracle, hf, committed, root, monkeypatch)
     _, features = decode.prefill(model, torch.tensor([committed]), 0)
     with torch.no_grad():
-        h_last = decode.draft_start(model, draft, committed, 0, features, torch.tensor(root))
+        h_last = decode.catch_up_prompt(model, draft, committed, 0, features, torch.tensor(root))
         states = draft.block_states(model, torch.tensor(root), torch.tensor(len(committed)), BLOCK, h_last)
         mine = draft.logits(model, states)
     torch.testing.assert_close(mine, want, atol=2e-4, rtol=1e-4)

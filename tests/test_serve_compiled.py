@@ -18,17 +18,17 @@ import sys
 from torch._dynamo.utils import counters
 import serve
 from server.engine import Engine
-stepping_aside, finish = Engine.stepping_aside, Engine.finish
+start_step_aside, finish = Engine.start_step_aside, Engine.finish
 
 def counting_warm_up(self, args):  # the engine's last warm-up: its plain step's, for stepping aside
-    stepping_aside(self, args)
+    start_step_aside(self, args)
     print(f"graphs after warm-up {counters['stats']['unique_graphs']}", flush=True)
 
 def counting_finish(self, job, *args):
     print(f"graphs {counters['stats']['unique_graphs']}", flush=True)
     finish(self, job, *args)
 
-Engine.stepping_aside, Engine.finish = counting_warm_up, counting_finish
+Engine.start_step_aside, Engine.finish = counting_warm_up, counting_finish
 serve.main(sys.argv[1:])
 """
 SETTINGS = [{"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.9, "top_k": 3},

@@ -10,7 +10,7 @@ import decode
 from load import load_draft, load_target
 from conftest import ROOT, expect_error, read_generation
 from attention import causal_mask
-from decode import draft_start, prefill, speculative_cycle
+from decode import catch_up_prompt, prefill, speculative_cycle
 from sampling import SamplingConfig
 from graphs import compile_step
 from draft_tree import StaticTree
@@ -113,7 +113,7 @@ def test_a_nodes_drafts_depend_on_its_ancestors_alone(demo, head):
     with torch.no_grad():
         logits, features = prefill(target, torch.tensor([prompts[0]]), 0)
         root, ctx = logits.argmax(-1)[0], torch.tensor(len(prompts[0]))
-        h_last = draft_start(target, draft, prompts[0], 0, features, root)
+        h_last = catch_up_prompt(target, draft, prompts[0], 0, features, root)
         whole = tree.expand(target, draft, root, ctx, h_last)
         for path in ((1, 0), (0, 1, 0), (0, 0, 1)):
             alone = StaticTree(tuple(path[:k] for k in range(1, len(path) + 1))).expand(target, draft, root, ctx, h_last)

@@ -70,8 +70,8 @@ def test_cycles_after_plain_steps_draft_as_after_a_fresh_prefill(pair, monkeypat
     lengths from there are those of a fresh generation over the same context."""
     import decode
     model, draft = pair
-    reads, catch_up_plain = [], decode.catch_up_plain
-    monkeypatch.setattr(decode, "catch_up_plain", lambda *a, **k: reads.append(a[3]) or catch_up_plain(*a, **k))
+    reads, catch_up_after_plain = [], decode.catch_up_after_plain
+    monkeypatch.setattr(decode, "catch_up_after_plain", lambda *a, **k: reads.append(a[3]) or catch_up_after_plain(*a, **k))
     gate = fake_clock(cycle_seconds=1.2)  # three cycles, three plain steps timing a step, then cycles again
     run = generate(model, prompt(3), 60, GREEDY, draft=draft, tree=TREE, step_aside=gate)
     before = gate.trial_cycles  # a generation's first cycle carries no switch: timed
