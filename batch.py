@@ -32,8 +32,9 @@ def generate_batch(model: Transformer, prompts: list, max_new_tokens: int, sampl
     tree from its own context, one verify for all (step_fn: a compiled lookup_cycle).
     """
     prompts = [one_prompt(p) for p in prompts]
-    if sampling.logprobs >= 0:
-        raise EagletError("logprobs are read one prompt at a time (generate), not in a batch")
+    if sampling.logprobs >= 0 or sampling.penalized:
+        raise EagletError(f"{'logprobs are' if sampling.logprobs >= 0 else 'penalties and logit_bias are'} read one "
+                          "prompt at a time (generate), not in a batch")
     tree = lookup or tree or TreeConfig()
     for prompt in prompts:
         check_fits(model, len(prompt), max_new_tokens, tree.scratch if draft or lookup else 0)

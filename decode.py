@@ -20,7 +20,7 @@ from draft import DraftHead
 from draft_tree import DraftTree, TreeConfig, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
-from sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingInputs, read_scores, sample, token_scores
+from sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingInputs, penalize, read_scores, sample, token_scores
 import tp
 
 
@@ -146,7 +146,7 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     Shapes fixed: compiled once, replayed. Eager and compiled CPU callers pass filled
     (input_pos + 1, known on the host): only those cache slots are read (compile_step)."""
     logits, _ = model(token, input_pos, input_pos, decode_mask(input_pos, filled or model.max_seq_length))
-    token = sample(logits[:, -1], sampling)
+    token = sample(penalize(logits[:, -1], sampling), sampling)
     token = token if model.tp_group is None else tp.flag_disagreement(model.tp_group, token)
     if sampling.logprobs >= 0:
         return token, token_scores(logits[:, -1], token.clamp(min=0), sampling.logprobs)
@@ -175,7 +175,7 @@ def accept(tree: DraftTree, logits: Tensor, sampling, levels: int):
     Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus);
     a batch of trees: the same per row, with a leading [B].
     """
-    pick = sample(logits, sampling)  # [N]
+    pick = sample(penalize(logits, sampling, tree.tokens, tree.ancestors), sampling)  # [N]
     correct = (tree.tokens == pick.gather(-1, tree.parents)) & (tree.draft_logp > float("-inf"))
     correct[..., 0] = True
     accepted = (tree.ancestors & ~correct[..., None, :]).sum(dim=-1) == 0  # the node and all its ancestors correct
@@ -345,6 +345,14 @@ def keep_new(tokens: list, new: list, eos_ids, max_new_tokens: int, on_tokens: O
     return tokens[-1] in eos_ids or len(tokens) == max_new_tokens
 
 
+def counted(emit: Callable, tokens: list, inputs: SamplingInputs, new: list) -> bool:
+    """emit(new), the tokens it kept counted into the penalties' history."""
+    n = len(tokens)
+    done = emit(new)
+    inputs.count(tokens[n:])
+    return done
+
+
 def device_sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -408,20 +416,24 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
         if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
             catch_up_chunks(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
                         first + offset, prefill_chunk)
-    token = first_pick(logits[0]) if first_pick else sample(logits, sampling)[0]  # 0-d, as every later root
+    # tensors, not constants: every setting shares the compiled step's graph (penalized: the history, counted as the
+    # reply grows, so no call is run ahead of the tokens it is penalized by)
+    inputs = sampling.inputs(device, model.args.vocab_size, prompt_tokens)
+    token = first_pick(logits[0]) if first_pick else sample(penalize(logits, inputs), inputs)[0]  # 0-d, as every root
     tokens, accept_lengths = [], []
     scores = None if sampling.logprobs < 0 else [] if scores is None else scores
     scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
     if scores is not None:
         scores += read_scores(token_scores(logits[0], token, MAX_TOP_LOGPROBS).tolist(), sampling.logprobs)
     emit = partial(keep_new, tokens, eos_ids=eos_ids, max_new_tokens=max_new_tokens, on_tokens=on_tokens)
+    if inputs.history is not None:
+        emit = partial(counted, emit, tokens, inputs)
     done = emit([token.item()])
     first_token_seconds = time.perf_counter() - t0
     plain_tokens = 0
     if not done:
         ctx_len = torch.tensor(len(prompt_tokens), device=device)
-        inputs = sampling.inputs(device)  # tensors, not constants: every setting shares the compiled step's graph
-        ahead = device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead
+        ahead = (device.type == "cuda" and RUN_AHEAD if run_ahead is None else run_ahead) and inputs.history is None
         if lookup is not None:
             plain_tokens = lookup.run(model, inputs, step_fn, partial(plain_call, model, inputs, plain_fn),
                                       (token, ctx_len), prompt_tokens, tokens, emit, accept_lengths, scores,
@@ -462,6 +474,8 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     the segment ends too and the run is taken without asking the target (constraint.forced: each is the only token
     allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
     forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
+    if sampling.penalized:
+        raise EagletError("penalties and logit_bias under a grammar are not built yet: give one or the other")
     prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
     t0, first_token_seconds = time.perf_counter(), None
     prompt_k, prompt_rows = kwargs.pop("prompt_logprobs", None), []  # the first segment's prefill scores the prompt

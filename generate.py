@@ -185,6 +185,15 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int_flag(0), default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--min_p", type=float_flag(0, 1), default=0.0,
                    help="keep the tokens at least this many times as likely as the likeliest; 0 = off")
+    p.add_argument("--presence_penalty", type=float_flag(-2, 2), default=0.0,
+                   help="subtracted from the logit of every token the reply holds (OpenAI's)")
+    p.add_argument("--frequency_penalty", type=float_flag(-2, 2), default=0.0,
+                   help="subtracted from a token's logit times how often the reply holds it (OpenAI's)")
+    p.add_argument("--repetition_penalty", type=float_flag(0.01, 100), default=1.0,
+                   help="a logit of a token the prompt or the reply holds divided by this (above 0) or multiplied "
+                        "by it (below): transformers' rule; 1 = off. Every penalty stays exact under speculation")
+    p.add_argument("--logit_bias", type=json_object, default=None,
+                   help='added to the logits of these token ids, as JSON, e.g. \'{"13": -100}\' (OpenAI\'s)')
     p.add_argument("--seed", type=int_flag(0), default=0, help="sampling seed; sample i uses seed + i")
     p.add_argument("--num_samples", type=int_flag(1, 2 ** 31), default=1, help="generate this many times (timing)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -284,7 +293,8 @@ from tune import auto_tree, pick_total_tokens  # noqa: E402
 LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram", "ngram_min", "ngram_max",
               "draft_vocab", "device", "precision", "tree", "depth", "tree_topk", "total_tokens", "tree_choices",
               "confidence", "draft_window", "draft_sinks", "prefill_chunk", "chat_template", "chat_template_kwargs",
-              "max_seq_length", "temperature", "top_p", "top_k", "min_p", "prompts", "chat", "interactive", "system",
+              "max_seq_length", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "prompts", "chat", "interactive", "system",
               "max_new_tokens", "batch_size", "json_out")
 
 

@@ -41,7 +41,8 @@ class CapturedGraphs:
     """A compiled step or cycle replayed as a torch.cuda.CUDAGraph, one per distinct call: per call only the input
     tensors are copied into the graph's own and the graph is replayed (no guards, no input checks). A call is told
     apart by its tensors' shapes and the identity or value of the rest (the model, the head, the tree; of the sampling,
-    whether it is greedy and scores tokens: a SamplingInputs' settings are copied in as tensors are).
+    whether it is greedy, scores tokens and is penalized: a SamplingInputs' settings and history are copied in as
+    tensors are).
     The outputs live in the graph's memory, overwritten by the next replay: callers clone them (plain_call,
     cycle_call, generate_batch do). Capturing runs the call three times first on a side stream (as CUDA graph
     capture needs); a step or a cycle run again from the same state writes only past the context it starts from,
@@ -52,23 +53,27 @@ class CapturedGraphs:
         self.compiled, self.graphs, self.pool = compiled, {}, None
 
     def __call__(self, *args):
-        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else (a.greedy, a.logprobs)
+        key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else (a.greedy, a.logprobs, a.history is not None)
                     if isinstance(a, SamplingInputs) else repr(a) if isinstance(a, (SamplingConfig, TreeConfig))
                     else id(a) for a in args)
         if key not in self.graphs:
             self.graphs[key] = self.capture(args)
         inputs, graph, outputs = self.graphs[key]
         for static, a in zip(inputs, args):
-            if static is not None:
-                static.copy_(a.settings if isinstance(a, SamplingInputs) else a)
+            if isinstance(a, SamplingInputs):
+                static.settings.copy_(a.settings)
+                if a.history is not None:
+                    static.history.copy_(a.history)
+            elif static is not None:
+                static.copy_(a)
         graph.replay()
         return outputs
 
     def capture(self, args):
-        inputs = [a.clone() if isinstance(a, Tensor) else a.settings.clone() if isinstance(a, SamplingInputs) else None
-                  for a in args]
-        call_args = [a if static is None else SamplingInputs(a.greedy, static, a.logprobs)
-                     if isinstance(a, SamplingInputs) else static for static, a in zip(inputs, args)]
+        inputs = [a.clone() if isinstance(a, Tensor) else SamplingInputs(
+            a.greedy, a.settings.clone(), a.logprobs, None if a.history is None else a.history.clone())
+            if isinstance(a, SamplingInputs) else None for a in args]
+        call_args = [a if static is None else static for static, a in zip(inputs, args)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

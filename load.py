@@ -216,7 +216,8 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
          draft_vocab=None, device="auto", precision=None,
          tree="given", depth=None, tree_topk=None, total_tokens=None, tree_choices=None, confidence=0.0,
          draft_window="auto", draft_sinks=4, prefill_chunk=None, chat_template="auto", chat_template_kwargs=None,
-         max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, prompts=None, chat=False, interactive=False,
+         max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
+         frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, prompts=None, chat=False, interactive=False,
          system=None, max_new_tokens=200, batch_size=None, json_out=None, group=None):
     """Model, tokenizer, draft, sampling, the tree, the prompts' tokens (None for interactive) and the rows the caches
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
@@ -226,7 +227,8 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
     tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
-    sampling = SamplingConfig(temperature, top_p, top_k, min_p)
+    sampling = SamplingConfig(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                              logit_bias_of(logit_bias))
     tree_of = partial(tree_config, tree, tree_choices, depth, tree_topk, total_tokens)
     shape = ngram_lookup(tree, depth, tree_topk, total_tokens, ngram_min, ngram_max) if ngram else \
         tree_of()  # checks the settings before anything is loaded
@@ -263,6 +265,14 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
         shape.check(draft)
     prefill_chunk_of(prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
     return model, tokenizer, draft, sampling, shape, encoded, rows
+
+
+def logit_bias_of(bias: Optional[dict]) -> dict:
+    """--logit_bias's JSON object as {token id: bias}: its keys (JSON's are text) token ids, its values numbers."""
+    bias = bias or {}
+    if not all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
+        raise EagletError(f"--logit_bias maps token ids to numbers, e.g. '{{\"13\": -100}}', got {bias}")
+    return {int(k): float(v) for k, v in bias.items()}
 
 
 def set_window(draft: DraftHead, window, sinks: int):

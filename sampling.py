@@ -7,6 +7,7 @@ Imports checkpoint.py (EagletError) and torch; decode.py and everything above it
 """
 import math
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +30,11 @@ class SamplingConfig:
     top_p: float = tensor_setting(1.0)
     top_k: int = tensor_setting(0)  # 0 means no top-k filter
     min_p: float = tensor_setting(0.0)  # keep the tokens at least min_p times as likely as the likeliest; 0 means off
+    presence_penalty: float = tensor_setting(0.0)  # OpenAI's: subtracted from the logit of a token the reply holds
+    frequency_penalty: float = tensor_setting(0.0)  # OpenAI's: times how often the reply holds it
+    repetition_penalty: float = tensor_setting(1.0)  # transformers' and vLLM's: a logit of a token the prompt or the
+    # reply holds divided by it (above 0) or multiplied by it (below)
+    logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit (OpenAI's logit_bias)
     logprobs: int = -1  # k >= 0: each token's logprob under the target and its k likeliest tokens (token_scores)
 
     def __post_init__(self):
@@ -43,6 +49,12 @@ class SamplingConfig:
             raise EagletError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise EagletError(f"top_k must be >= 0, got {self.top_k}")
+        penalties = (self.presence_penalty, self.frequency_penalty, self.repetition_penalty, *self.logit_bias.values())
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in penalties) or self.repetition_penalty <= 0:
+            raise EagletError(f"the penalties and biases must be finite numbers (repetition_penalty above 0), got "
+                              f"{penalties[:3]} and logit_bias {self.logit_bias}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.logit_bias):
+            raise EagletError(f"logit_bias maps token ids (whole numbers >= 0) to biases, got {list(self.logit_bias)}")
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise EagletError(f"logprobs must be -1 (none) or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
 
@@ -50,13 +62,27 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def inputs(self, device) -> "SamplingInputs":
+    @property
+    def penalized(self) -> bool:
+        """Whether a token's logits depend on what came before it (penalties) or are biased."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+
+    def inputs(self, device, vocab: int = 0, prompt=()) -> "SamplingInputs":
         """These settings as the step and the cycle take them; made once a generation (a copy to the device). Whole
-        numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
+        numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing). Penalized: the
+        history too, [3, vocab] -- the logit bias, how often the reply holds each token (counted as it grows: count()),
+        and which tokens the prompt holds."""
         values = [getattr(self, name) for name in TENSOR_SETTINGS]
         values = [float(min(v, 1 << 24)) if isinstance(v, int) else v for v in values]
+        history = None
+        if self.penalized:
+            if any(t >= vocab for t in self.logit_bias):
+                raise EagletError(f"logit_bias names token ids past the vocabulary ({vocab} tokens)")
+            history = torch.zeros(3, vocab, device=device)
+            history[0, list(self.logit_bias)] = torch.tensor(list(self.logit_bias.values()), device=device).float()
+            history[2, list(prompt)] = 1.0
         return SamplingInputs(self.greedy, torch.tensor(values, dtype=torch.float32, device=device),
-                              MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1)
+                              MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1, history)
 
 
 TENSOR_SETTINGS = tuple(f.name for f in fields(SamplingConfig) if f.metadata.get("tensor"))
@@ -72,9 +98,16 @@ class SamplingInputs:
     greedy: bool
     settings: Tensor  # float32, one value a name of TENSOR_SETTINGS, in its order
     logprobs: int = -1  # MAX_TOP_LOGPROBS with logprobs, or -1
+    history: Optional[Tensor] = None  # penalized: [3, vocab] float32, the bias, the reply's counts, the prompt's tokens
 
-    def inputs(self, device) -> "SamplingInputs":
+    def inputs(self, device, vocab: int = 0, prompt=()) -> "SamplingInputs":
         return self
+
+    def count(self, tokens: list):
+        """The reply's new tokens counted into the history (a copy to the device, no sync), before the next call."""
+        if self.history is not None and tokens:
+            self.history[1].index_add_(0, torch.tensor(tokens, device=self.history.device),
+                                       torch.ones(len(tokens), device=self.history.device))
 
     def named(self) -> dict:
         return dict(zip(TENSOR_SETTINGS, self.settings.unbind()))
@@ -102,6 +135,28 @@ def logits_to_probs(logits: Tensor, sampling) -> Tensor:
     drop |= sorted_probs < min_p * sorted_probs[..., :1]
     probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0))
     return probs / probs.sum(-1, keepdim=True)
+
+
+def penalize(logits: Tensor, sampling, tokens: Optional[Tensor] = None, ancestors: Optional[Tensor] = None) -> Tensor:
+    """logits [..., vocab] as the penalties and the bias make them, where they predict the token after the reply so far
+    (the history's counts) and, for the nodes of a draft tree (tokens [N], ancestors [N, N]: logits [N, vocab]), after
+    the node's own path below the root too: a draft is verified under the distribution plain decoding would use
+    there, so a rejected draft leaves the law unchanged. The bias is added first, then the repetition penalty
+    (transformers' rule), then OpenAI's presence and frequency penalties. Unpenalized: logits as they are."""
+    history = getattr(sampling, "history", None)
+    if history is None:
+        return logits
+    settings = sampling.named()
+    counts = history[1]
+    if tokens is not None:  # each node's path, the root (counted already) left out: [N, vocab]
+        path = ancestors.float() * (torch.arange(len(tokens), device=tokens.device) > 0)
+        counts = counts + torch.zeros(len(tokens), history.shape[1], device=tokens.device).scatter_add_(
+            1, tokens.expand(len(tokens), -1), path)
+    logits = logits.float() + history[0]
+    penalty = settings["repetition_penalty"]
+    seen = (counts > 0) | (history[2] > 0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - counts * settings["frequency_penalty"] - (counts > 0).float() * settings["presence_penalty"]
 
 
 def sample_from_probs(probs: Tensor) -> Tensor:

@@ -27,7 +27,8 @@ from reasoning import thinking_tokens
 from server.metrics import Metrics
 
 GREEDY = SamplingConfig()
-WARM_UP = [SamplingConfig(t, logprobs=k) for t in (0.0, 1.0) for k in (-1, 0)]
+WARM_UP = [SamplingConfig(t, logprobs=k) for t in (0.0, 1.0) for k in (-1, 0)] + [  # and penalized, without logprobs
+    SamplingConfig(t, presence_penalty=0.5) for t in (0.0, 1.0)]
 
 
 @dataclass(eq=False)  # hashed by identity: the server keeps a set of live jobs
@@ -95,7 +96,8 @@ class Waiting:
         batch = [job]
         batchable = lambda j: (j.sampling.temperature == 0 and j.sampling.logprobs < 0  # noqa: E731
                                and j.constraint is None and j.ignore_eos == job.ignore_eos  # a grammar, logprobs,
-                               and j.prompt_logprobs is None and not j.echo)  # the prompt's: alone
+                               and j.prompt_logprobs is None and not j.echo  # the prompt's,
+                               and not j.sampling.penalized)  # penalties: alone
         while self.max_batch > 1 and batchable(job) and len(batch) < self.max_batch:
             try:
                 other = self.held.pop(0) if self.held else self.jobs.get_nowait()

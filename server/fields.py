@@ -13,10 +13,9 @@ from sampling import MAX_TOP_LOGPROBS, SamplingConfig
 MAX_CHOICES = 16  # prompts x n of one request
 # Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
 # with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
-REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "logit_bias": {},
-           "presence_penalty": 0, "frequency_penalty": 0, "audio": None, "modalities": ["text"],
+REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
-           "repetition_penalty": 1, "min_tokens": 0, "stop_token_ids": [],
+           "min_tokens": 0, "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
            "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
            "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
@@ -27,6 +26,7 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "gui
                   "guided_grammar", "guided_choice")
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
 READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", "echo",
         "prompt_logprobs", *GRAMMAR_FIELDS,
@@ -86,6 +86,15 @@ def logprobs_of(body: dict, chat: bool) -> int:
     return (top or 0) if wanted else -1
 
 
+def logit_bias_of(body: dict) -> dict:
+    """OpenAI's logit_bias: token ids (as JSON keys, text) to biases from -100 to 100, as {id: bias}."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
+        raise ApiError(400, "logit_bias must map token ids to numbers from -100 to 100", "logit_bias")
+    return {int(k): float(v) for k, v in bias.items()}
+
+
 def sampling_of(body: dict, chat: bool = True) -> tuple:
     """(SamplingConfig, seed, stop strings) from a request's fields."""
     for name in REFUSED:
@@ -104,8 +113,10 @@ def sampling_of(body: dict, chat: bool = True) -> tuple:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
     min_p = number(body, "min_p", 0.0, 0, 1)
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                              logprobs=logprobs_of(body, chat))
+    penalties = {name: number(body, name, default, low, high) for name, default, low, high in (
+        ("presence_penalty", 0.0, -2, 2), ("frequency_penalty", 0.0, -2, 2), ("repetition_penalty", 1.0, 0.01, 100))}
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **penalties,
+                              logit_bias=logit_bias_of(body), logprobs=logprobs_of(body, chat))
     return sampling, seed, stop
 
 

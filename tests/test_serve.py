@@ -206,7 +206,11 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
         {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool_choice auto needs a template"),
     ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True}, 400, "use_beam_search", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": 1}, 400, "use_beam_search", "cannot honour"),  # 1 == True
-    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "between 0.01 and 100"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "from -100 to 100"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "past the vocabulary"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1, "regex": "[a-z]+"}, 400, "presence_penalty",
+     "under a grammar"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", "between 0 and 1"),
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "answered whole"),
@@ -808,3 +812,25 @@ def test_echo_and_prompt_logprobs_score_the_prompt_as_a_forward_does(client, ref
             client.completions.create(model="eaglet", prompt="x", max_tokens=2, extra_body=extra) if words else \
                 client.chat.completions.create(model="eaglet", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                                extra_body={"echo": True})
+
+
+def test_penalties_and_logit_bias_give_plain_decoding_s_reply(client, reference):
+    """presence, frequency and repetition penalties and logit_bias, greedy, streamed or not: the reply plain decoding
+    gives under them (the server speculates with the demo's head); a bias of -100 keeps a token out."""
+    tokenizer, target = reference.tokenizer, reference.target
+    prompt = tokenizer.encode(PROMPTS[1])
+    banned = generate(target, prompt, 40, SamplingConfig()).tokens[3]
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.2,
+              "logit_bias": {str(banned): -100}}
+    want = generate(target, prompt, 40, SamplingConfig(presence_penalty=0.8, frequency_penalty=0.3,
+                                                       repetition_penalty=1.2, logit_bias={banned: -100.0}))
+    assert banned not in want.tokens
+    whole = client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                      presence_penalty=0.8, frequency_penalty=0.3, logit_bias=fields["logit_bias"],
+                                      extra_body={"repetition_penalty": 1.2})
+    chunks = client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+                                       presence_penalty=0.8, frequency_penalty=0.3, logit_bias=fields["logit_bias"],
+                                       extra_body={"repetition_penalty": 1.2})
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert whole.choices[0].text == streamed == tokenizer.decode(want.tokens)
+    assert whole.model_extra["eaglet"]["cycles"] > 0  # speculated

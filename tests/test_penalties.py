@@ -1,0 +1,123 @@
+"""Penalties and the logit bias, lossless under speculation: greedy decoding under presence, frequency and repetition
+penalties and a bias equals a reference loop over transformers' logits (its RepetitionPenaltyLogitsProcessor, OpenAI's
+formula for the presence and frequency penalties, the bias added), plain, speculative (a head, a draft model, n-gram
+lookup) and compiled; sampled, the sequences follow the penalized law (chi-square against enumeration)."""
+import math
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+from conftest import STAT_SAMPLES, sampling_pair
+from decode import TreeConfig, generate
+from graphs import compile_step
+from load import load_draft_model, load_target
+from lookup import NgramLookup
+from model import EagletError
+from sampling import SamplingConfig, logits_to_probs
+from test_sampling import chi_square_p_below
+
+PENALTIES = [SamplingConfig(presence_penalty=1.5), SamplingConfig(frequency_penalty=0.7),
+             SamplingConfig(repetition_penalty=1.4), SamplingConfig(logit_bias={7: 3.0, 11: -100.0}),
+             SamplingConfig(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=0.8, logit_bias={20: 2.0})]
+PROMPT = [1, 5, 9, 11, 30, 5, 9]
+
+
+def penalized_reference(hf, prompt: list, n: int, s: SamplingConfig) -> list:
+    """Greedy decoding as transformers and OpenAI define the penalties: the bias added to the logits, then
+    RepetitionPenaltyLogitsProcessor over the prompt and the reply, then logit - count * frequency - (count > 0) *
+    presence over the reply's tokens."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    ids, reply = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        for t, b in s.logit_bias.items():
+            logits[t] += b
+        logits = RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(torch.tensor([ids]), logits[None])[0]
+        counts = torch.bincount(torch.tensor(reply, dtype=torch.long), minlength=len(logits)).float()
+        logits = logits - counts * s.frequency_penalty - (counts > 0).float() * s.presence_penalty
+        ids.append(int(logits.argmax()))
+        reply.append(ids[-1])
+    return reply
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    folder, hf = checkpoints("llama2")
+    return folder, hf, load_target(folder / "model.pth", "cpu", "fp32", 256)
+
+
+@pytest.mark.parametrize("sampling", PENALTIES, ids=["presence", "frequency", "repetition", "bias", "all"])
+def test_greedy_under_penalties_equals_transformers_plain_and_speculative(target, sampling):
+    folder, hf, model = target
+    want = penalized_reference(hf, PROMPT, 30, sampling)
+    assert want != generate(model, PROMPT, 30, SamplingConfig()).tokens  # the penalty changed the reply
+    assert generate(model, PROMPT, 30, sampling).tokens == want
+    drafter = load_draft_model(folder, model)  # the target itself: its drafts are unpenalized, so often rejected
+    accepted = []
+    for kwargs in ({"draft": drafter, "tree": TreeConfig(3, 3, 12)}, {"draft": drafter, "tree": TreeConfig(4, 1, 6)},
+                   {"lookup": NgramLookup(min_ngram=1)}):
+        result = generate(model, PROMPT, 30, sampling, **kwargs)
+        assert result.tokens == want, kwargs
+        accepted += result.accept_lengths
+    assert max(accepted) > 1  # drafts were accepted: the penalized verify ran over paths
+
+
+def test_penalties_compile_once_and_are_refused_where_not_built(target):
+    from torch._dynamo.utils import counters
+    folder, hf, model = target
+    torch._dynamo.reset()
+    counters.clear()
+    step = compile_step(__import__("decode").decode_one_token, "cpu")
+    for s in PENALTIES[:3]:  # values are tensor inputs: one graph for every penalized setting
+        assert generate(model, PROMPT, 12, s, step_fn=step).tokens == penalized_reference(hf, PROMPT, 12, s)
+    assert counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(EagletError, match="repetition_penalty above 0"):
+        SamplingConfig(repetition_penalty=0.0)
+    with pytest.raises(EagletError, match="past the vocabulary"):
+        generate(model, PROMPT, 4, SamplingConfig(logit_bias={10 ** 6: 1.0}))
+
+
+@pytest.mark.stat
+def test_sampled_penalized_speculation_follows_the_penalized_law(tmp_path):
+    """STAT_SAMPLES seeded draws of 3 tokens with an EAGLE head over a vocabulary of 8, under every penalty at once:
+    the sequences follow the law enumerated from the target's logits with the penalties applied at each position."""
+    target_dir, model, draft = sampling_pair(tmp_path, 8)
+    prompt, sampling = [1, 5, 3, 5], SamplingConfig(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.4,
+                                                    repetition_penalty=1.3, logit_bias={2: -1.0, 6: 0.7})
+    counts, lengths = Counter(), []
+    for i in range(STAT_SAMPLES):
+        torch.manual_seed(i)
+        result = generate(model, prompt, 3, sampling, draft=draft, tree=TreeConfig(2, 3, 8))
+        counts[tuple(result.tokens)] += 1
+        lengths += result.accept_lengths
+    assert max(lengths) > 1
+    def next_law(reply: tuple) -> torch.Tensor:  # the penalized distribution after prompt + reply
+        ids = prompt + list(reply)
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), torch.arange(len(ids)),
+                              torch.ones(len(ids), len(ids), dtype=torch.bool).tril())
+        logits = logits[0, -1].float() + torch.tensor([sampling.logit_bias.get(t, 0.0) for t in range(8)])
+        seen = torch.zeros(8, dtype=torch.bool)
+        seen[ids] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
+        c = torch.bincount(torch.tensor(list(reply), dtype=torch.long), minlength=8).float()
+        return logits_to_probs((logits - 0.4 * c - 0.6 * (c > 0).float())[None], SamplingConfig(temperature=1.0))[0]
+    laws = {reply: next_law(reply) for n in range(3) for reply in product(range(8), repeat=n)}
+    law = {seq: math.prod(laws[seq[:i]][seq[i]].item() for i in range(3)) for seq in product(range(8), repeat=3)}
+    assert math.isclose(sum(law.values()), 1.0, abs_tol=1e-5)
+    assert not chi_square_p_below(counts, law)
+
+
+def test_the_command_line_takes_the_penalties(target, tmp_path):
+    from conftest import expect_error, run_cli
+    folder, hf, model = target
+    s = SamplingConfig(presence_penalty=0.5, repetition_penalty=1.3, logit_bias={7: 2.5})
+    base = ["--checkpoint_path", str(folder), "--device", "cpu", "--prompt", "w1 w5 w7 w26 w1 w5", "--max_new_tokens",
+            "20"]
+    got = run_cli(tmp_path, base + ["--presence_penalty", "0.5", "--repetition_penalty", "1.3", "--logit_bias",
+                                    '{"7": 2.5}', "--draft_model", str(folder), "--tree_topk", "1"])
+    assert got["tokens"] == penalized_reference(hf, got["prompt_tokens"], 20, s)
+    expect_error(base + ["--logit_bias", '{"w7": 1}'], "maps token ids to numbers")
