@@ -35,7 +35,8 @@ from batch import generate_batch  # noqa: E402
 from decode import TreeConfig, decode_one_token, generate, prefill, speculative_cycle  # noqa: E402
 from sampling import SamplingConfig  # noqa: E402
 from graphs import compile_step  # noqa: E402
-from load import load_draft, load_target, pick_device  # noqa: E402
+from load import load_draft, load_draft_model, load_target, pick_device  # noqa: E402
+from lookup import NgramLookup, lookup_cycle  # noqa: E402
 import graphs  # noqa: E402
 from attention import causal_mask  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -67,6 +68,8 @@ class Way:
     logprobs: bool = False  # each token's logprob and top 5, against one causal forward
     chunk: Optional[int] = None  # the prompt prefilled this many tokens a forward
     window: Optional[int] = None  # the head's draft window (4 sinks)
+    penalized: bool = False  # under PENALIZED (penalties and a logit bias), against plain eager under it
+    lookup: bool = False  # n-gram lookup (no head), its verify compiled
 
 
 EAGLE2 = TreeConfig(6, 10, 60)
@@ -86,7 +89,12 @@ WAYS = {"plain, compiled": Way(),
         "DFlash tree 16, compiled, draft window 16": Way("DFlash", TREE16, window=16),
         "EAGLE-3, compiled": Way("EAGLE-3", TreeConfig(7, 10, 60)),
         "plain, 3 prompts at once, compiled": Way(prompts=3),
-        "EAGLE-2, 3 prompts at once, compiled": Way("EAGLE-2", EAGLE2, prompts=3)}
+        "EAGLE-2, 3 prompts at once, compiled": Way("EAGLE-2", EAGLE2, prompts=3),
+        "plain, captured graphs, penalties": Way(captured=True, penalized=True),
+        "EAGLE-2, captured graphs, penalties": Way("EAGLE-2", EAGLE2, captured=True, penalized=True),
+        "EAGLE-2, compiled, penalties": Way("EAGLE-2", EAGLE2, penalized=True),
+        "n-gram lookup, compiled": Way(lookup=True),
+        "draft model (the target itself) chain 5, compiled": Way("draft model", TreeConfig(4, 1, 6))}
 for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
     WAYS[f"{_head} chain 8, compiled"] = Way(_head, CHAIN)
     WAYS[f"{_head} tree 16, compiled"] = Way(_head, TREE16)
@@ -94,7 +102,8 @@ for _head in ("DFlash", "DSpark", "DFlash2", "P-EAGLE", "XPress"):
 # five), what no CPU can check (CapturedGraphs, the new heads' CUDA kernels), the rest.
 NEW_EAGLE2 = ["EAGLE-2, compiled", "EAGLE-2, compiled, a JSON schema", "EAGLE-2, compiled, logprobs",
               "EAGLE-2, compiled, prefill chunks of 4", "EAGLE-2, compiled, draft window 16"]
-NEW_FIRST = ["XPress chain 8, compiled"]
+NEW_FIRST = ["XPress chain 8, compiled", "EAGLE-2, captured graphs, penalties", "plain, captured graphs, penalties",
+             "EAGLE-2, compiled, penalties", "n-gram lookup, compiled", "draft model (the target itself) chain 5, compiled"]
 # checked in bf16 on an H200 in GPU round 6 (2026-11-28): after the ways no GPU has checked yet
 ROUND6 = ["plain, captured graphs", "EAGLE-2, captured graphs", "DFlash2 chain 8, compiled", "P-EAGLE chain 8, compiled"]
 NEW_LATER = ["DFlash2 tree 16, compiled", "P-EAGLE tree 16, compiled", "XPress tree 16, compiled",
@@ -113,6 +122,7 @@ PLAN = ([("bf16", way) for way in NEW_FIRST + NEW_EAGLE2] + [("fp32", way) for w
            ("fp32", "DFlash chain 8, compiled"), ("fp32", "EAGLE-2, 3 prompts at once, compiled"),
            ("int4", "plain, compiled"), ("fp32", "DSpark chain 8, compiled"), ("fp32", "DSpark tree 16, compiled")])
 GREEDY = SamplingConfig()
+PENALIZED = SamplingConfig(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={13: 2.0})
 CACHE = 512
 
 
@@ -159,12 +169,14 @@ class Engine:
         self.heads, self.rows, self.expected = {}, 0, {}
         self.set_rows(1)
 
-    def reference(self, schema: bool, n_prompts: int) -> list:
-        """Plain eager decoding's tokens for the first n_prompts prompts, free or under SCHEMA (each decoded once)."""
+    def reference(self, schema: bool, n_prompts: int, penalized: bool = False) -> list:
+        """Plain eager decoding's tokens for the first n_prompts prompts, free, under SCHEMA or PENALIZED (each
+        decoded once)."""
         for i in range(n_prompts):
-            if (schema, i) not in self.expected:
-                self.expected[schema, i] = self.run([self.prompts[i]], Way(compiled=False, schema=schema))[0].tokens
-        return [self.expected[schema, i] for i in range(n_prompts)]
+            if (schema, penalized, i) not in self.expected:
+                self.expected[schema, penalized, i] = self.run(
+                    [self.prompts[i]], Way(compiled=False, schema=schema, penalized=penalized))[0].tokens
+        return [self.expected[schema, penalized, i] for i in range(n_prompts)]
 
     def set_rows(self, rows: int):
         if rows != self.rows:
@@ -177,8 +189,10 @@ class Engine:
         if name is None:
             return None
         if name not in self.heads:
-            where = HEADS[name]
-            if where.startswith("random "):
+            where = HEADS.get(name, "")
+            if name == "draft model":
+                self.heads[name] = load_draft_model(DEMO_DIR / "target", self.target)
+            elif where.startswith("random "):
                 torch.manual_seed(0)
                 weight = self.target.tok_embeddings.weight
                 self.heads[name] = measure.random_head(where.split()[1], self.target, weight.device, weight.dtype)
@@ -196,9 +210,12 @@ class Engine:
         """Each prompt's GenerationResult, decoded the way way says."""
         self.set_rows(len(prompts))
         draft = self.head(way.head)
-        step = compiled_step((id(self), way.head, repr(way.tree), len(prompts), way.captured), way.head is None,
+        kind = "lookup" if way.lookup else "plain" if way.head is None else "cycle"
+        step = compiled_step((id(self), way.head, repr(way.tree), len(prompts), way.captured, kind), kind,
                              self.device, way.captured) if way.compiled else None
-        sampling = SamplingConfig(logprobs=5) if way.logprobs else GREEDY
+        sampling = SamplingConfig(logprobs=5) if way.logprobs else PENALIZED if way.penalized else GREEDY
+        if way.lookup:
+            return [generate(self.target, prompts[0], self.n_tokens, sampling, lookup=NgramLookup(), step_fn=step)]
         if len(prompts) > 1:
             return generate_batch(self.target, prompts, self.n_tokens, sampling, draft=draft, tree=way.tree,
                                   step_fn=step)
@@ -217,14 +234,14 @@ class Engine:
 _compiled = {}
 
 
-def compiled_step(key, plain: bool, device: str, captured: bool = False):
+def compiled_step(key, kind: str, device: str, captured: bool = False):
     """The compiled step or cycle for key (target, head, tree, rows, captured), compiled afresh when the key changes:
     one graph per function at a time, so never a recompile limit and never a graph of another target replayed.
     captured: replayed as CUDA graphs captured by hand (what EAGLET_GRAPHS=manual picks)."""
     if key not in _compiled:
         torch._dynamo.reset()
         _compiled.clear()
-        step_fn = decode_one_token if plain else speculative_cycle
+        step_fn = {"plain": decode_one_token, "cycle": speculative_cycle, "lookup": lookup_cycle}[kind]
         _compiled[key] = (graphs.CapturedGraphs(torch.compile(step_fn, fullgraph=True)) if captured
                           else compile_step(step_fn, device))
     return _compiled[key]
@@ -237,7 +254,7 @@ def check_way(engine: Engine, way_name: str) -> dict:
         return {"skipped": "CUDA graphs need CUDA"}
     try:
         prompts = engine.prompts[:way.prompts]
-        expected = engine.reference(way.schema, way.prompts)  # before the clock: seconds are the way's own
+        expected = engine.reference(way.schema, way.prompts, way.penalized)  # before the clock: the way's own seconds
         t0 = time.perf_counter()
         results = engine.run(prompts, way)
         seconds = time.perf_counter() - t0
