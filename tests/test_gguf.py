@@ -304,6 +304,28 @@ def test_smollm2_logits_and_tokens_equal_transformers_own_load_of_the_gguf(smoll
 
 
 @pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
+def test_smollm2_multiple_choice_loglikelihoods_equal_transformers(smollm2, smollm2_transformers):
+    """A loglikelihood task as lm-evaluation-harness scores it through echo: each choice's continuation summed from
+    the prompt's logprobs (generate's prompt_logprobs, the prefill in chunks of 4 tokens) is transformers' within
+    1e-3, and the choices rank the same."""
+    _, out = smollm2
+    hf, _ = smollm2_transformers
+    model, tok = load_target(out / "model.pth", "cpu", "fp32", 64), Tokenizer(out)
+    context = tok.encode("Question: What is the capital of France?\nAnswer:")
+    ours, theirs = [], []
+    for choice in (" Paris", " London", " the city of Berlin"):
+        ids = context + tok.encode(choice, bos=False)
+        rows = generate(model, ids, 0, SamplingConfig(), prompt_logprobs=1, prefill_chunk=4).prompt_logprobs
+        ours.append(sum(lp for lp, _ in rows[len(context):]))
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        theirs.append(sum(float(logp[i - 1, ids[i]]) for i in range(len(context), len(ids))))
+    print(f"SmolLM2 choice loglikelihoods: ours {[round(x, 4) for x in ours]}, transformers' "
+          f"{[round(x, 4) for x in theirs]}")
+    assert ours == pytest.approx(theirs, abs=1e-3) and ours.index(max(ours)) == theirs.index(max(theirs)) == 0
+
+
+@pytest.mark.slow  # the real model: a conversion and transformers' load first (about 40 s)
 @pytest.mark.parametrize("checkpoint", CONVERSIONS)
 def test_smollm2_first_reply_token_logprobs_equal_transformers(smollm2, smollm2_transformers, checkpoint):
     """What a server reports first: the log-probabilities of the reply's first token to the chat question, and of
