@@ -175,7 +175,7 @@ def accept(tree: DraftTree, logits: Tensor, sampling, levels: int):
     Returns (path [levels]: the path's tree index at each depth, 0 past its end; accepted drafts; bonus);
     a batch of trees: the same per row, with a leading [B].
     """
-    pick = sample(penalize(logits, sampling, tree.tokens, tree.ancestors), sampling)  # [N]
+    pick = sample(penalize(logits, sampling, tree.tokens, tree.ancestors, tree.depths), sampling)  # [N]
     correct = (tree.tokens == pick.gather(-1, tree.parents)) & (tree.draft_logp > float("-inf"))
     correct[..., 0] = True
     accepted = (tree.ancestors & ~correct[..., None, :]).sum(dim=-1) == 0  # the node and all its ancestors correct
@@ -418,7 +418,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                         first + offset, prefill_chunk)
     # tensors, not constants: every setting shares the compiled step's graph (penalized: the history, counted as the
     # reply grows, so no call is run ahead of the tokens it is penalized by)
-    inputs = sampling.inputs(device, model.args.vocab_size, prompt_tokens)
+    inputs = sampling.inputs(device, model.args.vocab_size, prompt_tokens, eos_ids)
     token = first_pick(logits[0]) if first_pick else sample(penalize(logits, inputs), inputs)[0]  # 0-d, as every root
     tokens, accept_lengths = [], []
     scores = None if sampling.logprobs < 0 else [] if scores is None else scores

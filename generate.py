@@ -178,6 +178,8 @@ def parse_args(argv=None):
     p.add_argument("--system", type=utf8_text, default=None, help="a system message for --chat and --interactive")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=None,
                    help=f"stop after this many tokens or at EOS (default: 200; {DEMO_MAX_NEW_TOKENS} for the demo)")
+    p.add_argument("--min_tokens", type=int_flag(0), default=0,
+                   help="end-of-sequence masked until the reply holds this many tokens (exact under speculation)")
     p.add_argument("--ignore_eos", action="store_true",
                    help="decode past end-of-sequence up to --max_new_tokens (replies of a fixed length, for timing)")
     p.add_argument("--temperature", type=float_flag(0), default=0.0, help="0 = greedy")
@@ -294,7 +296,7 @@ LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram"
               "draft_vocab", "device", "precision", "tree", "depth", "tree_topk", "total_tokens", "tree_choices",
               "confidence", "draft_window", "draft_sinks", "prefill_chunk", "chat_template", "chat_template_kwargs",
               "max_seq_length", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "logit_bias", "prompts", "chat", "interactive", "system",
+              "repetition_penalty", "logit_bias", "min_tokens", "prompts", "chat", "interactive", "system",
               "max_new_tokens", "batch_size", "json_out")
 
 

@@ -217,7 +217,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
          tree="given", depth=None, tree_topk=None, total_tokens=None, tree_choices=None, confidence=0.0,
          draft_window="auto", draft_sinks=4, prefill_chunk=None, chat_template="auto", chat_template_kwargs=None,
          max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
-         frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, prompts=None, chat=False, interactive=False,
+         frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, prompts=None, chat=False, interactive=False,
          system=None, max_new_tokens=200, batch_size=None, json_out=None, group=None):
     """Model, tokenizer, draft, sampling, the tree, the prompts' tokens (None for interactive) and the rows the caches
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
@@ -228,7 +228,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     sampling = SamplingConfig(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                              logit_bias_of(logit_bias))
+                              logit_bias_of(logit_bias), min_tokens)
     tree_of = partial(tree_config, tree, tree_choices, depth, tree_topk, total_tokens)
     shape = ngram_lookup(tree, depth, tree_topk, total_tokens, ngram_min, ngram_max) if ngram else \
         tree_of()  # checks the settings before anything is loaded

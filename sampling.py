@@ -35,6 +35,7 @@ class SamplingConfig:
     repetition_penalty: float = tensor_setting(1.0)  # transformers' and vLLM's: a logit of a token the prompt or the
     # reply holds divided by it (above 0) or multiplied by it (below)
     logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit (OpenAI's logit_bias)
+    min_tokens: int = tensor_setting(0)  # vLLM's: end-of-sequence masked until the reply holds this many tokens
     logprobs: int = -1  # k >= 0: each token's logprob under the target and its k likeliest tokens (token_scores)
 
     def __post_init__(self):
@@ -55,6 +56,8 @@ class SamplingConfig:
                               f"{penalties[:3]} and logit_bias {self.logit_bias}")
         if not all(isinstance(t, int) and t >= 0 for t in self.logit_bias):
             raise EagletError(f"logit_bias maps token ids (whole numbers >= 0) to biases, got {list(self.logit_bias)}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise EagletError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise EagletError(f"logprobs must be -1 (none) or 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}")
 
@@ -65,22 +68,24 @@ class SamplingConfig:
     @property
     def penalized(self) -> bool:
         """Whether a token's logits depend on what came before it (penalties) or are biased."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+                    or self.min_tokens)
 
-    def inputs(self, device, vocab: int = 0, prompt=()) -> "SamplingInputs":
+    def inputs(self, device, vocab: int = 0, prompt=(), eos_ids=()) -> "SamplingInputs":
         """These settings as the step and the cycle take them; made once a generation (a copy to the device). Whole
         numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing). Penalized: the
-        history too, [3, vocab] -- the logit bias, how often the reply holds each token (counted as it grows: count()),
-        and which tokens the prompt holds."""
+        history too, [4, vocab] -- the logit bias, how often the reply holds each token (counted as it grows: count()),
+        which tokens the prompt holds, and the end-of-sequence tokens (min_tokens masks them)."""
         values = [getattr(self, name) for name in TENSOR_SETTINGS]
         values = [float(min(v, 1 << 24)) if isinstance(v, int) else v for v in values]
         history = None
         if self.penalized:
             if any(t >= vocab for t in self.logit_bias):
                 raise EagletError(f"logit_bias names token ids past the vocabulary ({vocab} tokens)")
-            history = torch.zeros(3, vocab, device=device)
+            history = torch.zeros(4, vocab, device=device)
             history[0, list(self.logit_bias)] = torch.tensor(list(self.logit_bias.values()), device=device).float()
             history[2, list(prompt)] = 1.0
+            history[3, list(eos_ids)] = 1.0
         return SamplingInputs(self.greedy, torch.tensor(values, dtype=torch.float32, device=device),
                               MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1, history)
 
@@ -98,9 +103,10 @@ class SamplingInputs:
     greedy: bool
     settings: Tensor  # float32, one value a name of TENSOR_SETTINGS, in its order
     logprobs: int = -1  # MAX_TOP_LOGPROBS with logprobs, or -1
-    history: Optional[Tensor] = None  # penalized: [3, vocab] float32, the bias, the reply's counts, the prompt's tokens
+    history: Optional[Tensor] = None  # penalized: [4, vocab] float32, the bias, the reply's counts, the prompt's tokens,
+    # the end-of-sequence tokens
 
-    def inputs(self, device, vocab: int = 0, prompt=()) -> "SamplingInputs":
+    def inputs(self, device, vocab: int = 0, prompt=(), eos_ids=()) -> "SamplingInputs":
         return self
 
     def count(self, tokens: list):
@@ -137,17 +143,21 @@ def logits_to_probs(logits: Tensor, sampling) -> Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def penalize(logits: Tensor, sampling, tokens: Optional[Tensor] = None, ancestors: Optional[Tensor] = None) -> Tensor:
+def penalize(logits: Tensor, sampling, tokens: Optional[Tensor] = None, ancestors: Optional[Tensor] = None,
+             depths: Optional[Tensor] = None) -> Tensor:
     """logits [..., vocab] as the penalties and the bias make them, where they predict the token after the reply so far
-    (the history's counts) and, for the nodes of a draft tree (tokens [N], ancestors [N, N]: logits [N, vocab]), after
-    the node's own path below the root too: a draft is verified under the distribution plain decoding would use
-    there, so a rejected draft leaves the law unchanged. The bias is added first, then the repetition penalty
-    (transformers' rule), then OpenAI's presence and frequency penalties. Unpenalized: logits as they are."""
+    (the history's counts) and, for the nodes of a draft tree (tokens [N], ancestors [N, N], depths [N]: logits
+    [N, vocab]), after the node's own path below the root too: a draft is verified under the distribution plain
+    decoding would use there, so a rejected draft leaves the law unchanged. The bias is added first, then the
+    repetition penalty (transformers' rule), then OpenAI's presence and frequency penalties; end-of-sequence is masked
+    where the reply would hold fewer than min_tokens before it. Unpenalized: logits as they are."""
     history = getattr(sampling, "history", None)
     if history is None:
         return logits
     settings = sampling.named()
     counts = history[1]
+    position = counts.sum() + (0 if depths is None else depths[:, None])  # the reply's index of the token predicted
+    early = (position < settings["min_tokens"]) & (history[3] > 0)
     if tokens is not None:  # each node's path, the root (counted already) left out: [N, vocab]
         path = ancestors.float() * (torch.arange(len(tokens), device=tokens.device) > 0)
         counts = counts + torch.zeros(len(tokens), history.shape[1], device=tokens.device).scatter_add_(
@@ -156,7 +166,8 @@ def penalize(logits: Tensor, sampling, tokens: Optional[Tensor] = None, ancestor
     penalty = settings["repetition_penalty"]
     seen = (counts > 0) | (history[2] > 0)
     logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    return logits - counts * settings["frequency_penalty"] - (counts > 0).float() * settings["presence_penalty"]
+    logits = logits - counts * settings["frequency_penalty"] - (counts > 0).float() * settings["presence_penalty"]
+    return logits.masked_fill(early, float("-inf"))
 
 
 def sample_from_probs(probs: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ MAX_CHOICES = 16  # prompts x n of one request
 # with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
 REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
-           "min_tokens": 0, "stop_token_ids": [],
+           "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
            "guided_whitespace_pattern": None, "structural_tag": None, "ebnf": None,
            "chat_template": None, "documents": None, "add_generation_prompt": True, "continue_final_message": False,
@@ -26,7 +26,7 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "json_schema", "regex", "gui
                   "guided_grammar", "guided_choice")
 TEMPLATE_HINTS = ("reasoning_effort", "verbosity")  # passed to the chat template, for one that reads them
 READ = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
         "seed", "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "cache_prompt", "chat_template_kwargs", "separate_reasoning", "ignore_eos", "echo",
         "prompt_logprobs", *GRAMMAR_FIELDS,
@@ -116,7 +116,8 @@ def sampling_of(body: dict, chat: bool = True) -> tuple:
     penalties = {name: number(body, name, default, low, high) for name, default, low, high in (
         ("presence_penalty", 0.0, -2, 2), ("frequency_penalty", 0.0, -2, 2), ("repetition_penalty", 1.0, 0.01, 100))}
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **penalties,
-                              logit_bias=logit_bias_of(body), logprobs=logprobs_of(body, chat))
+                              logit_bias=logit_bias_of(body), logprobs=logprobs_of(body, chat),
+                              min_tokens=number(body, "min_tokens", 0, 0, 1 << 31, integer=True))
     return sampling, seed, stop
 
 

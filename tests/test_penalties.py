@@ -121,3 +121,30 @@ def test_the_command_line_takes_the_penalties(target, tmp_path):
                                     '{"7": 2.5}', "--draft_model", str(folder), "--tree_topk", "1"])
     assert got["tokens"] == penalized_reference(hf, got["prompt_tokens"], 20, s)
     expect_error(base + ["--logit_bias", '{"w7": 1}'], "maps token ids to numbers")
+
+
+def test_min_tokens_masks_the_end_until_reached_exactly_under_speculation(spec_pair):
+    """A prompt whose greedy reply ends early (end-of-sequence, id 2): with min_tokens the end is masked until the reply
+    holds that many tokens, as transformers' MinNewTokensLengthLogitsProcessor masks it -- plain, with the head
+    (trees whose deeper nodes sit past min_tokens), with n-gram lookup."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+    from load import load_draft
+    target, head = spec_pair
+    model = load_target(target / "model.pth", "cpu", "fp32", 128)
+    draft = load_draft(head / "draft.pth", model)
+    prompt = next(p for p in ([1, x] for x in range(4, 64)) if 2 in generate(model, p, 12, SamplingConfig()).tokens[:6])
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    ids = list(prompt)
+    mask = MinNewTokensLengthLogitsProcessor(len(prompt), 9, eos_token_id=2)
+    while len(ids) < len(prompt) + 30:
+        with torch.no_grad():
+            logits = mask(torch.tensor([ids]), hf(torch.tensor([ids])).logits[:, -1])
+        ids.append(int(logits.argmax()))
+        if ids[-1] == 2:
+            break
+    want = ids[len(prompt):]
+    assert 2 not in want[:9]
+    s = SamplingConfig(min_tokens=9)
+    for kwargs in ({}, {"draft": draft, "tree": TreeConfig(4, 2, 10)}, {"lookup": NgramLookup(min_ngram=1)}):
+        assert generate(model, prompt, 30, s, eos_ids=(2,), **kwargs).tokens == want, kwargs

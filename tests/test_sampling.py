@@ -246,7 +246,11 @@ def test_the_tensor_settings_are_named_by_the_config_fields():
     """A compiled step reads the sampling settings from one tensor, each by its SamplingConfig field's name; whole
     numbers are capped at 2**24, exact in float32 (a top_k past any vocabulary filters nothing)."""
     from sampling import TENSOR_SETTINGS
-    assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k", "min_p")
-    named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, logprobs=3).inputs("cpu").named()
-    assert {k: v.item() for k, v in named.items()} == {"temperature": 0.5, "top_p": 0.25, "top_k": 7.0, "min_p": 0.125}
+    assert TENSOR_SETTINGS == ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                               "repetition_penalty", "min_tokens")
+    named = SamplingConfig(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, presence_penalty=0.5, min_tokens=3,
+                           logprobs=3).inputs("cpu", 8).named()
+    assert {k: v.item() for k, v in named.items()} == {
+        "temperature": 0.5, "top_p": 0.25, "top_k": 7.0, "min_p": 0.125, "presence_penalty": 0.5,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 3.0}
     assert SamplingConfig(top_k=10**9).inputs("cpu").named()["top_k"].item() == 2**24

@@ -211,7 +211,7 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "past the vocabulary"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1, "regex": "[a-z]+"}, 400, "presence_penalty",
      "under a grammar"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens", "cannot honour"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", "between 0 and"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", "between 0 and 1"),
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "answered whole"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "between 1 and"),
