@@ -365,7 +365,8 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
              step_fn: Optional[Callable] = None, run_ahead: Optional[bool] = None,
              constraint=None, first_pick: Optional[Callable] = None, scores: Optional[list] = None,
              prefill_chunk: Optional[int] = None, step_aside=None,
-             plain_fn: Optional[Callable] = None, lookup=None, prompt_logprobs: Optional[int] = None) -> GenerationResult:
+             plain_fn: Optional[Callable] = None, lookup=None, prompt_logprobs: Optional[int] = None,
+             reply_start: Optional[int] = None) -> GenerationResult:
     """Plain decoding, or EAGLE-2 speculative decoding when a draft head is given.
 
     The caches must already hold prompt_tokens[:start_pos] (multi-turn chat reuse). step_fn replaces
@@ -380,7 +381,9 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     compiled; default decode_one_token) wherever speculation does not pay. lookup (lookup.NgramLookup, without a
     head): drafts from the context itself, verified by step_fn (default lookup.lookup_cycle), and plain steps
     (plain_fn) where it finds none. prompt_logprobs k: every prompt token's logprob and k alternatives from the
-    prefill itself (result.prompt_logprobs; start_pos 0: the cache must not hold the prompt already).
+    prefill itself (result.prompt_logprobs; start_pos 0: the cache must not hold the prompt already). reply_start:
+    where the reply begins in prompt_tokens, for the penalties (a constrained generation's later segments; default:
+    the prompt's end).
     """
     if constraint is not None:
         return generate_constrained(model, prompt_tokens, max_new_tokens, sampling, constraint, eos_ids, start_pos,
@@ -418,8 +421,11 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
                         first + offset, prefill_chunk)
     # tensors, not constants: every setting shares the compiled step's graph (penalized: the history, counted as the
     # reply grows, so no call is run ahead of the tokens it is penalized by)
-    inputs = sampling.inputs(device, model.args.vocab_size, prompt_tokens, eos_ids)
-    token = first_pick(logits[0]) if first_pick else sample(penalize(logits, inputs), inputs)[0]  # 0-d, as every root
+    reply_start = len(prompt_tokens) if reply_start is None else reply_start
+    inputs = sampling.inputs(device, model.args.vocab_size, prompt_tokens[:reply_start], eos_ids)
+    inputs.count(prompt_tokens[reply_start:])
+    penalized = penalize(logits, inputs)  # logprobs stay the target's own: scored from logits
+    token = first_pick(penalized[0]) if first_pick else sample(penalized, inputs)[0]  # 0-d, as every later root
     tokens, accept_lengths = [], []
     scores = None if sampling.logprobs < 0 else [] if scores is None else scores
     scored = len(scores or [])  # what the list held before this call (a constrained generation's earlier segments)
@@ -474,8 +480,6 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     the segment ends too and the run is taken without asking the target (constraint.forced: each is the only token
     allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
     forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
-    if sampling.penalized:
-        raise EagletError("penalties and logit_bias under a grammar are not built yet: give one or the other")
     prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
     t0, first_token_seconds = time.perf_counter(), None
     prompt_k, prompt_rows = kwargs.pop("prompt_logprobs", None), []  # the first segment's prefill scores the prompt
@@ -498,7 +502,8 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
             return min(keep, n) if keep is not None else (n if ends["cut"] or finished or run else None)
         context = prompt_tokens + tokens
         segment = generate(model, context, max_new_tokens - len(tokens), sampling, eos_ids, start_pos, take_allowed,
-                           first_pick=partial(constraint.pick, sampling=sampling), prompt_logprobs=prompt_k, **kwargs)
+                           first_pick=partial(constraint.pick, sampling=sampling), prompt_logprobs=prompt_k,
+                           reply_start=len(prompt_tokens), **kwargs)
         prompt_k, prompt_rows = None, prompt_rows or segment.prompt_logprobs
         first_token_seconds = first_token_seconds if first_token_seconds is not None else segment.first_token_seconds
         if ends["cut"] and not segment.tokens:  # never: a segment's first token is the pick, which the grammar allows

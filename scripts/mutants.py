@@ -45,7 +45,7 @@ MUTANTS = [
     M("accept: the bonus is the root's pick", "decode.py",
       "pick.gather(-1, best)[..., 0]", "pick[..., :1][..., 0]"),
     M("accept: greedy acceptance when sampling", "decode.py",
-      "pick = sample(logits, sampling)  # [N]", "pick = logits.argmax(dim=-1)"),
+      "pick = sample(penalize(logits, sampling, tree.tokens, tree.ancestors, tree.depths), sampling)  # [N]", "pick = logits.argmax(dim=-1)"),
     M("commit: the bonus one step late", "decode.py",
       "emitted = torch.where(steps == n_accepted[..., None],", "emitted = torch.where(steps == n_accepted[..., None] + 1,"),
     M("commit: emits the path's own tokens (root first)", "decode.py",
@@ -129,7 +129,8 @@ MUTANTS = [
     M("run ahead: the queued call's context not advanced (eager attention misses the newest slot)", "decode.py",
       "queued = call(state, ctx + widest)", "queued = call(state, ctx)"),
     M("run ahead: never (every call waits for the host)", "decode.py",
-      "ahead = device.type == \"cuda\" and RUN_AHEAD if run_ahead is None else run_ahead", "ahead = False"),
+      "ahead = (device.type == \"cuda\" and RUN_AHEAD if run_ahead is None else run_ahead) and inputs.history is None",
+      "ahead = False"),
     # sampling
     M("sampling: top-p drops the token that crosses it", "sampling.py",
       "drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p)", "drop = (sorted_probs.cumsum(-1) >= top_p)"),

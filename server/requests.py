@@ -67,9 +67,6 @@ class Requests:
         if any(t >= self.engine.model.args.vocab_size for t in sampling.logit_bias):
             raise ApiError(400, f"logit_bias names token ids past the vocabulary ({self.engine.model.args.vocab_size})",
                            "logit_bias")
-        if sampling.penalized and (calls or grammar_field_of(body)):
-            raise ApiError(400, "penalties and logit_bias under a grammar (structured output or a forced tool call) "
-                                "are not built yet", "logit_bias" if sampling.logit_bias else "presence_penalty")
         constraint = self.call_constraint(tool_form, body["tools"], calls, grammar_start) if calls \
             else self.constraint_of(body, grammar_start)
         jobs = [Job(prompt, self.engine.room(prompt) if max_tokens is None else max_tokens, sampling,

@@ -24,22 +24,31 @@ PENALTIES = [SamplingConfig(presence_penalty=1.5), SamplingConfig(frequency_pena
 PROMPT = [1, 5, 9, 11, 30, 5, 9]
 
 
-def penalized_reference(hf, prompt: list, n: int, s: SamplingConfig) -> list:
+def penalized_reference(hf, prompt: list, n: int, s: SamplingConfig, constraint=None) -> list:
+    """See reference_loop: over transformers' model."""
+    return reference_loop(lambda ids: hf(torch.tensor([ids])).logits[0, -1], prompt, n, s, constraint)
+
+
+def reference_loop(forward, prompt: list, n: int, s: SamplingConfig, constraint=None) -> list:
     """Greedy decoding as transformers and OpenAI define the penalties: the bias added to the logits, then
     RepetitionPenaltyLogitsProcessor over the prompt and the reply, then logit - count * frequency - (count > 0) *
-    presence over the reply's tokens."""
+    presence over the reply's tokens; under a grammar (constraint), the argmax of what it allows."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
     ids, reply = list(prompt), []
     for _ in range(n):
         with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            logits = forward(ids).float()
         for t, b in s.logit_bias.items():
             logits[t] += b
         logits = RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(torch.tensor([ids]), logits[None])[0]
         counts = torch.bincount(torch.tensor(reply, dtype=torch.long), minlength=len(logits)).float()
         logits = logits - counts * s.frequency_penalty - (counts > 0).float() * s.presence_penalty
+        if constraint is not None:
+            logits = logits.masked_fill(~constraint.allowed("cpu"), float("-inf"))
         ids.append(int(logits.argmax()))
         reply.append(ids[-1])
+        if constraint is not None and (constraint.take([ids[-1]]) != 1 or constraint.done()):
+            break
     return reply
 
 
@@ -148,3 +157,30 @@ def test_min_tokens_masks_the_end_until_reached_exactly_under_speculation(spec_p
     s = SamplingConfig(min_tokens=9)
     for kwargs in ({}, {"draft": draft, "tree": TreeConfig(4, 2, 10)}, {"lookup": NgramLookup(min_ngram=1)}):
         assert generate(model, prompt, 30, s, eos_ids=(2,), **kwargs).tokens == want, kwargs
+
+
+def test_penalties_under_a_grammar_count_the_reply_across_segments():
+    """Under a grammar the reply is decoded in segments, each prefilling the reply so far as context: the penalties
+    still count the reply (not the prompt), so the constrained greedy reply equals a loop that masks the penalized
+    logits of one whole forward a token, plain and with the demo's head; the penalty changes it."""
+    from conftest import ROOT
+    from grammar import Constraint, grammar_of
+    from load import load_draft
+    from tokenizer import Tokenizer
+    demo = ROOT / "demo"
+    model = load_target(demo / "target" / "model.pth", "cpu", "fp32", 256)
+    head, tokenizer = load_draft(demo / "head" / "draft.pth", model), Tokenizer(demo / "target")
+    grammar = grammar_of("regex", "[a-z_]+(, [a-z_]+){3,12}\\)")
+    prompt, s = tokenizer.encode("def total(values, start"), SamplingConfig(frequency_penalty=1.5, presence_penalty=0.5)
+
+    def forward(ids):
+        pos = torch.arange(len(ids))
+        return model(torch.tensor([ids]), pos, pos, torch.ones(len(ids), len(ids), dtype=torch.bool).tril())[0][0, -1]
+
+    def run(sampling, **kwargs):
+        return generate(model, prompt, 40, sampling, tokenizer.eos_ids,
+                        constraint=Constraint(tokenizer, model.args.vocab_size, grammar), **kwargs).tokens
+    plain = run(s)
+    assert plain == reference_loop(forward, prompt, 40, s, Constraint(tokenizer, model.args.vocab_size, grammar))
+    assert plain != run(SamplingConfig())
+    assert run(s, draft=head, tree=TreeConfig(3, 4, 10)) == plain

@@ -209,8 +209,6 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "between 0.01 and 100"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "from -100 to 100"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "past the vocabulary"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 1, "regex": "[a-z]+"}, 400, "presence_penalty",
-     "under a grammar"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", "between 0 and"),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p", "between 0 and 1"),
     ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo", "answered whole"),

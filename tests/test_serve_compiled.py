@@ -1,6 +1,6 @@
 """serve.py --compile compiles before it answers and never while it answers: its warm-up compiles the cycle's
-graphs and the plain step's it steps aside to (greedy or sampled, logprobs or not), then a dozen requests, each with a temperature, top_p, top_k and logprobs of its own,
-compile nothing (torch's graph count, printed by the engine as it finishes each reply) and are all answered."""
+graphs and the plain step's it steps aside to (greedy or sampled, logprobs or not, penalized or not), then fourteen
+requests, each with a temperature, top_p, top_k, min_p, penalties and logprobs of its own, compile nothing (torch's graph count, printed by the engine as it finishes each reply) and are all answered."""
 import sys
 
 import pytest
@@ -34,7 +34,9 @@ serve.main(sys.argv[1:])
 SETTINGS = [{"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.3, "top_p": 0.9}, {"temperature": 0.9, "top_k": 3},
             {"temperature": 1.1, "top_p": 0.8, "top_k": 40}, {"temperature": 0.5, "logprobs": 0},
             {"temperature": 1.0, "logprobs": 3}, {"temperature": 0, "logprobs": 5}, {"temperature": 2.0, "top_k": 1},
-            {"temperature": 0.6, "top_p": 0.5, "logprobs": 2}, {"temperature": 0.001}, {"temperature": 0.25, "seed": 7}]
+            {"temperature": 0.6, "top_p": 0.5, "logprobs": 2}, {"temperature": 0.001}, {"temperature": 0.25, "seed": 7},
+            {"temperature": 0, "frequency_penalty": 0.4, "logit_bias": {"13": -3}}, {"temperature": 0.8, "min_p": 0.1,
+                                                                                  "repetition_penalty": 1.2}]
 
 
 @pytest.mark.slow  # the cycle and the plain step compiled four times each on a CPU
@@ -42,7 +44,7 @@ def test_a_compiled_server_compiles_nothing_for_new_sampling_settings():
     proc, url, lines = launch_server([sys.executable, "-c", LAUNCH, "--port", "0", "--compile"])
     try:
         warm = int(next(l for l in lines if l.startswith("graphs after warm-up")).split()[-1])
-        assert warm == 8  # the cycle's and the plain step's: greedy or sampled, logprobs or not
+        assert warm == 12  # the cycle's and the plain step's: greedy or sampled, logprobs or not, penalized or not
         for settings in SETTINGS:
             reply = httpx.post(url + "/v1/completions", json={"prompt": "def read_lines(path):\n", "max_tokens": 24,
                                                               **settings}, timeout=HANG_S)
