@@ -435,6 +435,16 @@ MUTANTS = [
     M("lookup: a node's ancestors are only its parent", "lookup.py",
       "        ancestors[i] |= ancestors[parents[i]]", "        ancestors[i, parents[i]] = True"),
     M("lookup: the index misses the tokens each cycle emits", "lookup.py", "        index.extend(tokens[n_before:])\n", ""),
+    # penalties and the bias under speculation
+    M("penalties: a node's own path not counted, only the reply before the root", "sampling.py",
+      "        counts = counts + torch.zeros(len(tokens), history.shape[1], device=tokens.device).scatter_add_(",
+      "        counts = counts + 0 * torch.zeros(len(tokens), history.shape[1], device=tokens.device).scatter_add_("),
+    M("penalties: the root counted twice at every node", "sampling.py",
+      "path = ancestors.float() * (torch.arange(len(tokens), device=tokens.device) > 0)",
+      "path = ancestors.float()"),
+    M("penalties: the reply not counted as it grows", "decode.py", "    inputs.count(tokens[n:])\n", ""),
+    M("min_tokens: a node's depth ignored", "sampling.py",
+      "position = counts.sum() + (0 if depths is None else depths[:, None])", "position = counts.sum()"),
 ]
 
 

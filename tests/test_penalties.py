@@ -132,17 +132,21 @@ def test_the_command_line_takes_the_penalties(target, tmp_path):
     expect_error(base + ["--logit_bias", '{"w7": 1}'], "maps token ids to numbers")
 
 
-def test_min_tokens_masks_the_end_until_reached_exactly_under_speculation(spec_pair):
+def test_min_tokens_masks_the_end_until_reached_exactly_under_speculation(tmp_path):
     """A prompt whose greedy reply ends early (end-of-sequence, id 2): with min_tokens the end is masked until the reply
     holds that many tokens, as transformers' MinNewTokensLengthLogitsProcessor masks it -- plain, with the head
     (trees whose deeper nodes sit past min_tokens), with n-gram lookup."""
     from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
     from load import load_draft
-    target, head = spec_pair
+    from conftest import make_agreeing_pair
+    from convert_hf_checkpoint import convert
+    target, head, _ = make_agreeing_pair(tmp_path, layer_scale=0.3)  # a head that agrees: its trees reach the end
+    convert(target, log=lambda *_: None), convert(head, log=lambda *_: None)
     model = load_target(target / "model.pth", "cpu", "fp32", 128)
     draft = load_draft(head / "draft.pth", model)
-    prompt = next(p for p in ([1, x] for x in range(4, 64)) if 2 in generate(model, p, 12, SamplingConfig()).tokens[:6])
+    prompt = next(p for p in ([1, x] for x in range(4, 64))  # its reply ends at index 2 to 5
+                  if 2 in generate(model, p, 12, SamplingConfig()).tokens[2:6])
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     ids = list(prompt)
     mask = MinNewTokensLengthLogitsProcessor(len(prompt), 9, eos_token_id=2)
@@ -157,6 +161,11 @@ def test_min_tokens_masks_the_end_until_reached_exactly_under_speculation(spec_p
     s = SamplingConfig(min_tokens=9)
     for kwargs in ({}, {"draft": draft, "tree": TreeConfig(4, 2, 10)}, {"lookup": NgramLookup(min_ngram=1)}):
         assert generate(model, prompt, 30, s, eos_ids=(2,), **kwargs).tokens == want, kwargs
+    # min_tokens at the reply's own end: allowed exactly there, where a cycle's deeper nodes reach past min_tokens
+    end = generate(model, prompt, 12, SamplingConfig(), eos_ids=(2,)).tokens
+    assert 3 <= len(end) <= 6 and end[-1] == 2
+    at_end = SamplingConfig(min_tokens=len(end) - 1)
+    assert generate(model, prompt, 12, at_end, eos_ids=(2,), draft=draft, tree=TreeConfig(4, 2, 10)).tokens == end
 
 
 def test_penalties_under_a_grammar_count_the_reply_across_segments():
