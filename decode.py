@@ -20,7 +20,8 @@ from draft import DraftHead
 from draft_tree import DraftTree, TreeConfig, take
 from attention import attention_mask, causal_mask, decode_mask
 from model import EagletError, Transformer
-from sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingInputs, penalize, read_scores, sample, token_scores
+from sampling import (MAX_TOP_LOGPROBS, SamplingConfig, SamplingInputs, penalize, prompt_scorer, read_scores, sample,
+                      token_scores)
 import tp
 
 
@@ -100,24 +101,6 @@ def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: in
         if on_logits:
             on_logits(s, logits[0])
         yield s, logits[:, -1], features
-
-
-def prompt_scorer(prompt: list, first: int, k: int, rows: list, block: int = 64) -> Callable:
-    """on_logits for prefill_chunks over prompt[first:]: each prompt token's logprob under the target given the tokens
-    before it, and its k likeliest alternatives, appended to rows as (logprob, [(id, logprob)] * k) in prompt order
-    (the first token has none: rows starts with None where first is 0). Scored block rows at a time, so the memory is
-    a chunk's logits and a block's log-softmax, whatever the prompt's length."""
-    if first == 0:
-        rows.append(None)
-    targets = torch.tensor(prompt[first + 1:] + [0])  # the last position predicts the reply, not a prompt token
-
-    def score(offset: int, logits: Tensor):
-        n = min(logits.shape[0], len(prompt) - 1 - first - offset)
-        for b in range(0, n, block):
-            e = min(b + block, n)
-            ids = targets[offset + b:offset + e].to(logits.device)
-            rows.extend(read_scores(token_scores(logits[b:e], ids, MAX_TOP_LOGPROBS).flatten().tolist(), k))
-    return score
 
 
 def prefill(model: Transformer, tokens: Tensor, start_pos: int, chunk: int = PREFILL_CHUNK):

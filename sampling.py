@@ -7,7 +7,7 @@ Imports checkpoint.py (EagletError) and torch; decode.py and everything above it
 """
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -201,3 +201,21 @@ def read_scores(values: list, k: int) -> list:
     n = MAX_TOP_LOGPROBS
     rows = [values[i:i + 1 + 2 * n] for i in range(0, len(values), 1 + 2 * n)]
     return [(row[0], [(int(i), p) for i, p in zip(row[1 + n:1 + n + k], row[1:1 + k])]) for row in rows]
+
+
+def prompt_scorer(prompt: list, first: int, k: int, rows: list, block: int = 64) -> Callable:
+    """on_logits for prefill_chunks over prompt[first:]: each prompt token's logprob under the target given the tokens
+    before it, and its k likeliest alternatives, appended to rows as (logprob, [(id, logprob)] * k) in prompt order
+    (the first token has none: rows starts with None where first is 0). Scored block rows at a time, so the memory is
+    a chunk's logits and a block's log-softmax, whatever the prompt's length."""
+    if first == 0:
+        rows.append(None)
+    targets = torch.tensor(prompt[first + 1:] + [0])  # the last position predicts the reply, not a prompt token
+
+    def score(offset: int, logits: Tensor):
+        n = min(logits.shape[0], len(prompt) - 1 - first - offset)
+        for b in range(0, n, block):
+            e = min(b + block, n)
+            ids = targets[offset + b:offset + e].to(logits.device)
+            rows.extend(read_scores(token_scores(logits[b:e], ids, MAX_TOP_LOGPROBS).flatten().tolist(), k))
+    return score
