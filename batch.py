@@ -116,7 +116,7 @@ def prefill_rows(model: Transformer, padded: Tensor, lengths: Tensor, chunk: int
 
 
 def catch_up_rows(target: Transformer, draft: DraftHead, pairs: Tensor, features: Tensor, lengths: Tensor,
-                     chunk: int) -> Tensor:
+                  chunk: int) -> Tensor:
     """catch_up_chunks for a batch: row b's pairs (features [B, T, F], pairs [B, T]) up to its root at lengths[b] - 1,
     chunk pairs per call; the head's output for each row's last pair [B, dim]."""
     h_last = None

@@ -214,7 +214,7 @@ def speculative_cycle(target: Transformer, draft: DraftHead, root: Tensor, ctx_l
 
 
 def catch_up_chunks(target: Transformer, draft: DraftHead, next_tokens: Tensor, features: Tensor, first: int,
-                chunk: int = PREFILL_CHUNK) -> Tensor:
+                    chunk: int = PREFILL_CHUNK) -> Tensor:
     """The head reads the pairs (features[i], next_tokens[i]) of positions first.., chunk pairs per call (its masks
     [chunk, L] at most); returns its output for the last pair."""
     check_chunk(chunk)
@@ -226,7 +226,7 @@ def catch_up_chunks(target: Transformer, draft: DraftHead, next_tokens: Tensor, 
 
 
 def catch_up_prompt(target: Transformer, draft: DraftHead, prompt: list, first: int, features: Tensor,
-                root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
+                    root: Tensor, chunk: int = PREFILL_CHUNK) -> Tensor:
     """The draft's h_last before the first cycle: it reads the prompt's pairs (f_t, x_{t+1}) from position first
     on (features: the target's over prompt[first:]), the last one pairing with the root."""
     device = root.device
@@ -235,7 +235,7 @@ def catch_up_prompt(target: Transformer, draft: DraftHead, prompt: list, first: 
 
 
 def catch_up_after_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
-                   chunk: Optional[int] = None) -> Tensor:
+                         chunk: Optional[int] = None) -> Tensor:
     """The head's h_last after plain steps wrote context[first:]: the target's features of those tokens (their K/V
     written again, the same), and the head reads their pairs, the last with the root."""
     _, features = prefill(target, torch.tensor([context[first:]], device=root.device), first, chunk or PREFILL_CHUNK)
@@ -401,7 +401,7 @@ def generate(model: Transformer, prompt_tokens: list, max_new_tokens: int, sampl
     for offset, logits, features in prefill_chunks(model, new_tokens, first, prefill_chunk, scorer):
         if draft is not None and offset + features.shape[1] < new_tokens.shape[1]:  # the pairs' tokens are known
             catch_up_chunks(model, draft, new_tokens[0, offset + 1:offset + 1 + features.shape[1]], features[0],
-                        first + offset, prefill_chunk)
+                            first + offset, prefill_chunk)
     # tensors, not constants: every setting shares the compiled step's graph (penalized: the history, counted as the
     # reply grows, so no call is run ahead of the tokens it is penalized by)
     reply_start = len(prompt_tokens) if reply_start is None else reply_start

@@ -118,8 +118,8 @@ class StepAside:
 
 
 def run_step_aside(gate: StepAside, cycle, plain, state, prompt: list, tokens: list, emit: Callable,
-                       max_new_tokens: int, widest: int, ahead: bool, accept_lengths: list, scores, k: int,
-                       head_reads: Callable):
+                   max_new_tokens: int, widest: int, ahead: bool, accept_lengths: list, scores, k: int,
+                   head_reads: Callable):
     """run_calls in segments of cycles or of plain steps, as gate says after each call. A segment ends at the
     gate's switch (a call queued ahead is thrown away, as at the end of a generation); plain steps start from the
     last root, and cycles again after the head has read what the plain steps wrote (head_reads)."""
