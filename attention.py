@@ -21,6 +21,10 @@ except ImportError:
     AuxRequest = None
 
 
+# --exact (Transformer.set_exact): every attention in float64 (exact_attention), never flex or split.
+EXACT = False
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     """Attention of q [B, H, T, D] over the cache k, v [B, H_kv, S, D] as the mask allows.
 
@@ -28,6 +32,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     are read), a SplitMask (split attention, EAGLET_SPLIT) or a boolean tensor [T, L]: then only the first L
     slots are read (eager prefill passes L = what is filled).
     """
+    if EXACT:
+        return exact_attention(q, k, v, mask)
     if isinstance(mask, BlockMask):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     if isinstance(mask, SplitMask):
@@ -35,6 +41,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
     if isinstance(mask, WindowMask):
         k, v, mask = window_inputs(k, v, mask)
     return F.scaled_dot_product_attention(**sdpa_inputs(q, k, v, mask)).reshape(q.shape)
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+    """--exact: the boolean mask's attention in float64, rounded to q's dtype once at the end. A verify holds a
+    token's ancestors at other cache slots than plain decoding does, and its call has other rows, so the two add
+    the same terms in different orders. The scores (bf16 x bf16 products, 53-bit sums of 64-256 of them) come
+    out exact; the weighted sums differ by about 2^-53 x the slots, some 2^-36 of a bf16 step at 4k slots, so
+    the final rounding agrees but for a value within that distance of a rounding boundary."""
+    if isinstance(mask, WindowMask):  # a draft head's band
+        k, v, mask = window_inputs(k, v, mask)
+    visible = mask if mask.ndim == 3 else mask[None]  # [B or 1, T, L]
+    n = visible.shape[-1]
+    out, _ = attention_with_lse(q.double(), k[:, :, :n], v[:, :, :n], visible)
+    return out.to(q.dtype)
 
 
 def sdpa_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> dict:
@@ -216,7 +236,7 @@ def decode_mask(input_pos: Tensor, n_kv: int):
     step reads only the filled cache blocks; elsewhere the boolean row. (Eager flex_attention is a slow
     reference, and CPU inductor's flex kernel cannot lower a mask computed inside the graph.) Calls of more
     than one token (prefill, verify, the draft's) attend through the boolean mask, or split (EAGLET_SPLIT=1)."""
-    if FLEX_ATTENTION and torch.compiler.is_compiling() and input_pos.is_cuda and input_pos.ndim == 1:
+    if FLEX_ATTENTION and torch.compiler.is_compiling() and input_pos.is_cuda and input_pos.ndim == 1 and not EXACT:
         return decode_block_mask(input_pos, n_kv)
     return causal_mask(input_pos, n_kv)
 
@@ -229,7 +249,7 @@ def attention_mask(ctx_len: Tensor, block: Tensor, max_seq_length: int) -> Tenso
     Several rows (a batch): ctx_len [B] and block [B, T, W] give [B, T, max_seq_length].
     With split attention on (EAGLET_SPLIT, compiled CUDA code) the same mask as a SplitMask instead.
     """
-    if split_attention_on(block.device):
+    if split_attention_on(block.device) and not EXACT:
         return SplitMask(ctx_len, block, max_seq_length)
     return boolean_mask(ctx_len, block, max_seq_length)
 

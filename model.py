@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
+import attention
 from attention import attend
 from checkpoint import QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config
 
@@ -362,6 +363,15 @@ class Transformer(nn.Module):
         self.feature_layers: tuple = ()  # set by an EAGLE-3 head: the layers whose input it reads
         self.quantization: Optional[dict] = None  # a quantized checkpoint's record (mode, groupsize, ...)
         self.tp_group = None  # tensor parallel: the process group its layers are sharded over (tp.py)
+        self.exact_rows = 0  # --exact: no Linear call has fewer rows (set_exact)
+
+    def set_exact(self, on: bool = True, rows: int = 2):
+        """--exact: a token's logits round alike as one row of a verify and as a plain step. The linear layers
+        see at least `rows` rows (a one-row call is padded with a copy of its row: on a CPU a one-row matmul takes
+        another kernel than a call of 2 or more, whose rows do not depend on each other), and attention runs in
+        float64 (attention.exact_attention). Process-wide for attention: every model attends so while it is on."""
+        attention.EXACT = on
+        self.exact_rows = rows if on else 0
 
     def set_feature_layers(self, layers):
         """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead
@@ -412,6 +422,11 @@ class Transformer(nn.Module):
 
         Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
+        if idx.shape[0] * idx.shape[1] < self.exact_rows:  # --exact: the last row again, its output dropped
+            pad = torch.arange(self.exact_rows, device=idx.device).clamp(max=idx.shape[1] - 1)
+            logits, features = self(idx[:, pad], input_pos[..., pad], cache_slots[..., pad],
+                                    mask[..., pad, :], logits_idx)
+            return (logits if logits_idx is not None else logits[:, :idx.shape[1]]), features[:, :idx.shape[1]]
         x = self.tok_embeddings(idx)
         cos, sin = self.rope(input_pos, x.dtype)
         layer_inputs = {}  # kept only for the layers the draft head reads
@@ -433,7 +448,11 @@ class Transformer(nn.Module):
         """Final-normed hidden states -> logits: the one place they are made (the forward, every head that scores
         with this lm_head, and head training call it), so a change here (a soft-cap, a scale) reaches them all.
         rows: a Linear of some of the lm_head's rows (a draft vocabulary's), used in its place."""
-        return (self.output if rows is None else rows)(hidden)
+        lm_head = self.output if rows is None else rows
+        if hidden.ndim > 1 and hidden.numel() < self.exact_rows * hidden.shape[-1]:  # --exact: padded as the forward's rows are (set_exact)
+            pad = torch.arange(self.exact_rows, device=hidden.device).clamp(max=hidden.shape[-2] - 1)
+            return lm_head(hidden[..., pad, :])[..., :hidden.shape[-2], :]
+        return lm_head(hidden)
 
     def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
         """Copy K/V from src_slots to dst_slots in every layer, in place (accepted tree path -> context)."""
