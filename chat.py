@@ -152,15 +152,15 @@ def demo_note(args):
               "the tree's draft passes cost more than the target forwards they save and --no_draft is faster here. "
               "Speculation pays where each forward reads gigabytes of weights: a 7B model on a GPU)")
     if args.temperature == 0:
-        print(f"({same_text_note(args.precision)})")
+        print(f"({same_text_note(args.precision, args.exact)})")
 
 
-def same_text_note(precision: str) -> str:
-    if precision == "fp32":
-        return "greedy: --no_draft gives the same text token for token"
+def same_text_note(precision: str, exact: bool = False) -> str:
+    if precision == "fp32" or exact:
+        return "greedy: --no_draft gives the same text token for token" + (" (with --exact too)" if exact else "")
     return (f"greedy in {precision}: --no_draft gives the same text up to near-ties, two tokens whose logits "
-            f"{precision} cannot tell apart, where the two runs may part; --precision fp32 gives the same text "
-            "token for token either way")
+            f"{precision} cannot tell apart, where the two runs may part; --exact, or --precision fp32, gives the "
+            "same text token for token")
 
 
 def summarize(samples: list) -> dict:

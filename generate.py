@@ -126,6 +126,9 @@ def model_flags(p):
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step or the cycle (CUDA graphs on CUDA)")
+    p.add_argument("--exact", action="store_true",
+                   help="speculative greedy output equals plain greedy output bit for bit in bf16 too (attention in "
+                        "float64, no one-row matmul; plain's own rounding changes): docs/exact.md")
     p.add_argument("--chat_template", default="auto",
                    help="auto (the checkpoint's own, else a built-in one, named at start-up), llama2, vicuna, "
                         "or a .jinja file")
@@ -297,7 +300,7 @@ LOAD_FLAGS = ("checkpoint_path", "draft_checkpoint_path", "draft_model", "ngram"
               "confidence", "draft_window", "draft_sinks", "prefill_chunk", "chat_template", "chat_template_kwargs",
               "max_seq_length", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "logit_bias", "min_tokens", "prompts", "chat", "interactive", "system",
-              "max_new_tokens", "batch_size", "json_out")
+              "max_new_tokens", "batch_size", "json_out", "exact")
 
 
 def load_settings(args) -> dict:

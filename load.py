@@ -218,12 +218,12 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
          draft_window="auto", draft_sinks=4, prefill_chunk=None, chat_template="auto", chat_template_kwargs=None,
          max_seq_length=None, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,
          frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, min_tokens=0, prompts=None, chat=False, interactive=False,
-         system=None, max_new_tokens=200, batch_size=None, json_out=None, group=None):
+         system=None, max_new_tokens=200, batch_size=None, json_out=None, group=None, exact=False):
     """Model, tokenizer, draft, sampling, the tree, the prompts' tokens (None for interactive) and the rows the caches
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
     precision None: bf16 on CUDA, fp32 on CPU); prompts: texts, encoded through the chat template with chat or
     interactive; interactive: one long conversation, no prompts; draft_model: a model drafting in a head's place; ngram:
-    n-gram lookup (the tree returned is its NgramLookup). The checkpoints: the files or their folders. Under
+    n-gram lookup (the tree returned is its NgramLookup); exact: --exact (Transformer.set_exact). The checkpoints: the files or their folders. Under
     tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
@@ -263,6 +263,8 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
         set_window(draft, draft_window, draft_sinks)
     if draft is not None:
         shape.check(draft)
+    if exact:  # on CUDA cuBLAS picks kernels by the row count: a plain step is padded to the verify's (docs/exact.md)
+        model.set_exact(True, shape.total_tokens if device == "cuda" and (draft is not None or ngram) else 2)
     prefill_chunk_of(prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
     return model, tokenizer, draft, sampling, shape, encoded, rows
 

@@ -132,7 +132,7 @@ class Engine:
             total_tokens=args.total_tokens, tree_choices=args.tree_choices, confidence=args.confidence,
             draft_window=args.draft_window, draft_sinks=args.draft_sinks, prefill_chunk=args.prefill_chunk,
             chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs,
-            max_seq_length=args.max_seq_length, interactive=True)
+            max_seq_length=args.max_seq_length, interactive=True, exact=args.exact)
         draft_path = converted_file(args.draft_checkpoint_path, "draft.pth") if args.draft_checkpoint_path else \
             converted_file(args.draft_model, "model.pth") if args.draft_model else None
         describe(self.model, self.draft, self.tree, converted_file(args.checkpoint_path, "model.pth"), draft_path,

@@ -200,3 +200,13 @@ def test_batches_chunked_prefill_and_the_draft_window_decode_as_plain_in_bf16(de
             assert run.tokens == want and min(run.accept_lengths[:-1]) == 5
     finally:
         target.set_exact(False)
+
+
+def test_the_command_line_s_exact_gives_no_draft_s_tokens_in_bf16(exact, tmp_path):
+    """generate.py --precision bf16 --exact: with the demo's head, the tokens --no_draft gives."""
+    from conftest import run_cli
+    base = ["--device", "cpu", "--precision", "bf16", "--exact", "--prompt", DEMO_PROMPTS[0], "--max_new_tokens", "40",
+            "--step_aside", "off"]
+    plain = run_cli(tmp_path, base + ["--no_draft"])
+    spec = run_cli(tmp_path, base)
+    assert spec["tokens"] == plain["tokens"] and spec["tau"] > 1

@@ -738,6 +738,28 @@ def test_a_server_drafts_without_a_head(reference, flags):
         proc.wait(timeout=HANG_S)
 
 
+def test_an_exact_server_replies_as_plain_decoding_in_bf16():
+    """serve.py --precision bf16 --exact: greedy replies drafted by the demo's head are plain decoding's, on a prompt
+    where bf16 speculation without --exact parts from it (tests/test_exact.py)."""
+    target = load_target(DEMO / "target" / "model.pth", "cpu", "bf16", 1024)
+    tokenizer, prompt = Tokenizer(DEMO / "target"), "import os\n\n\ndef main():\n    args = "
+    target.set_exact(True)
+    try:
+        streamer = TextStreamer(tokenizer, tokenizer.encode(prompt), enabled=False)
+        generate(target, tokenizer.encode(prompt), 30, SamplingConfig(), eos_ids=tokenizer.eos_ids, on_tokens=streamer)
+        streamer.flush()
+    finally:
+        target.set_exact(False)
+    proc, url = start_server("--precision", "bf16", "--exact", "--step_aside", "off")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(model="eaglet", prompt=prompt, max_tokens=30, temperature=0)
+        assert reply.choices[0].text == streamer.text and reply.model_extra["eaglet"]["tau"] > 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=HANG_S)
+
+
 def test_what_evaluation_and_load_clients_read(server, client, reference):
     """The reply's model is the name the request used; HEAD answers on the GET routes (aiperf probes /metrics so);
     continuous_usage_stats puts the usage so far in every chunk (vLLM's); ignore_eos (guidellm's and aiperf's fixed
