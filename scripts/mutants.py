@@ -445,6 +445,12 @@ MUTANTS = [
     M("penalties: the reply not counted as it grows", "decode.py", "    inputs.count(tokens[n:])\n", ""),
     M("min_tokens: a node's depth ignored", "sampling.py",
       "position = counts.sum() + (0 if depths is None else depths[:, None])", "position = counts.sum()"),
+    # --exact: each operation put back on the default path
+    M("exact: a one-row forward not padded", "model.py",
+      "if idx.shape[0] * idx.shape[1] < self.exact_rows:", "if False:"),
+    M("exact: a one-row lm_head call not padded", "model.py",
+      "if hidden.ndim > 1 and hidden.numel() < self.exact_rows * hidden.shape[-1]:", "if False:"),
+    M("exact: attention on the default path", "attention.py", "    if EXACT:\n        return exact_attention(q, k, v, mask)\n", ""),
 ]
 
 

@@ -124,6 +124,21 @@ def test_smollm2_speculative_greedy_is_plain_greedy_in_bf16(smollm2_bf16, exact,
         model.set_exact(False)
 
 
+def test_the_lm_head_never_makes_a_one_row_call(demo_bf16, exact):
+    """Under --exact the logits of each row alone equal that row's logits in a call of 16, for an lm_head reading 1536
+    features (a width where a CPU's one-row bf16 matmul rounds otherwise: the one-row call is padded)."""
+    target = demo_bf16[0]
+    lm_head = torch.nn.Linear(1536, 512, bias=False, dtype=torch.bfloat16)
+    h = torch.randn(1, 16, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    target.set_exact(True)
+    try:
+        with torch.no_grad():
+            many = target.logits(h, lm_head)
+            assert all(torch.equal(target.logits(h[:, j:j + 1], lm_head)[0, 0], many[0, j]) for j in range(16))
+    finally:
+        target.set_exact(False)
+
+
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 # the demo's code prompts on which, in bf16 without --exact, speculation parts from plain decoding at token 3
 DEMO_PROMPTS = ["import os\n\n\ndef main():\n    args = ", "x = 1\n"]
