@@ -73,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--precision", choices=PRECISION_NAMES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the step and the cycle")
+    p.add_argument("--exact", action="store_true", help="every measurement under generate.py's --exact (docs/exact.md)")
     p.add_argument("--depth", type=int_flag(1), default=None,
                    help="draft tree expansion steps (default: the head's, as generate.py: 6; 7 for EAGLE-3 heads; "
                         "a DFlash head's block size - 2; a DSpark head's block size - 1)")
@@ -282,7 +283,8 @@ def markdown(results: dict) -> str:
     copy, ctx, step, tree = setup["copy_GB_per_s"], cycle["context"], plain["step_ms"], setup["tree"]
     unit = plain["kernels"]["unit"]
     lines = [f"## {setup['model']} on {setup['device_name']} (weights {setup['weights']}, head "
-             f"{setup['draft_weights']}, activations {setup['precision']}, compile={setup['compile']})", "",
+             f"{setup['draft_weights']}, activations {setup['precision']}, compile={setup['compile']}"
+             f"{', --exact' if setup.get('exact') else ''})", "",
              f"Command: `{setup['command']}`  ", f"Date: {setup['date']}, commit {setup['commit']}", "",
              f"Head: {setup['head']}  ", f"Draft vocabulary: {setup['draft_vocab']['text']}  ",
              f"Measured copy bandwidth: {copy:.4g} GB/s (bytes read and written per second by a large copy)", "",
@@ -481,6 +483,7 @@ def main(argv=None):
         tree = flags_tree(args, draft)
         tree.check(draft)
         check_lengths(args, tree)
+        target.set_exact(args.exact, tree.total_tokens)
         if args.tune_tree:  # refused now, not after the other measurements, if its grid cannot run here
             calibration, calibration_text = tp.agreed(group, calibration_prompts, args, target)
             check_tune_fits([TreeConfig(*point) for point in draft.tree_grid() or TREE_GRID], calibration, CALIBRATION_TOKENS,
@@ -496,7 +499,7 @@ def main(argv=None):
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,
-                             "precision": args.precision, "compile": args.compile, "tree": asdict(tree),
+                             "precision": args.precision, "compile": args.compile, "exact": args.exact, "tree": asdict(tree),
                              "weights": weights_format(target), "draft_weights": weights_format(draft),
                              "head": head, "draft_vocab": vocab, "side_by_side_prompt": prompt_text,
                              "side_tokens": args.side_tokens,

@@ -263,8 +263,8 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
         set_window(draft, draft_window, draft_sinks)
     if draft is not None:
         shape.check(draft)
-    if exact:  # on CUDA cuBLAS picks kernels by the row count: a plain step is padded to the verify's (docs/exact.md)
-        model.set_exact(True, shape.total_tokens if device == "cuda" and (draft is not None or ngram) else 2)
+    if exact:
+        model.set_exact(True, shape.total_tokens if draft is not None or ngram else 2)
     prefill_chunk_of(prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
     return model, tokenizer, draft, sampling, shape, encoded, rows
 

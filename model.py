@@ -365,13 +365,14 @@ class Transformer(nn.Module):
         self.tp_group = None  # tensor parallel: the process group its layers are sharded over (tp.py)
         self.exact_rows = 0  # --exact: no Linear call has fewer rows (set_exact)
 
-    def set_exact(self, on: bool = True, rows: int = 2):
-        """--exact: a token's logits round alike as one row of a verify and as a plain step. The linear layers
-        see at least `rows` rows (a one-row call is padded with a copy of its row: on a CPU a one-row matmul takes
-        another kernel than a call of 2 or more, whose rows do not depend on each other), and attention runs in
-        float64 (attention.exact_attention). Process-wide for attention: every model attends so while it is on."""
+    def set_exact(self, on: bool = True, verify_rows: int = 2):
+        """--exact: a token's logits round alike as one row of a verify and as a plain step. No Linear call has
+        fewer than 2 rows (a one-row call is padded with a copy of its row): on a CPU a one-row bf16 matmul takes
+        another kernel than a call of 2 or more, whose rows do not depend on each other. On CUDA, where cuBLAS picks
+        kernels by the row count, no fewer than verify_rows (the verify's). Attention runs in float64
+        (attention.exact_attention), process-wide: every model attends so while it is on."""
         attention.EXACT = on
-        self.exact_rows = rows if on else 0
+        self.exact_rows = 0 if not on else max(2, verify_rows) if self.tok_embeddings.weight.is_cuda else 2
 
     def set_feature_layers(self, layers):
         """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead

@@ -1,13 +1,13 @@
 """The next GPU round's two calls (round 7), prepared: each call's steps in order, each a fresh process with its own time
 limit, all within --budget_s. A step writes under OUT/<step> (a folder, or OUT/<step>.json / .md) as it goes and its
 output to OUT/calls.log; OUT/calls.md gets a row per step as it ends (exit status, seconds, timed out or not), so a
-call cut short keeps what it measured. Call 1 leaves 6 files, call 2 7: a GPU loan may bring back no more than 8. A
+call cut short keeps what it measured. Call 1 leaves 6 files, call 2 8: a GPU loan may bring back no more than 8. A
 step that would start with less than half its time left is skipped and says so. --dry_run runs the same steps on this
 CPU with shapes a CPU runs (tiny / reduced): what a session checks before it spends device time.
 
     python scripts/gpu_calls.py --call 1 --out $OUT --commit abc1234   # the speed A/Bs, exactness on CUDA
     python scripts/gpu_calls.py --call 2 --out $OUT --commit abc1234   # long context, the new drafters' cycles,
-                                                                       # bf16 rows
+                                                                       # bf16 rows, --exact
     python scripts/gpu_calls.py --call 1 --out /tmp/c1 --dry_run       # the CPU dry run of call 1
 
 The structured-output steps need llguidance, which the GPU machine's image lacks: carry its wheel (BENCHMARKS.md,
@@ -67,7 +67,14 @@ CALLS = {
         Step("bf16_rows", "where bf16 parts speculative from plain (split-K off under cuBLASLt)", 40,
              ["scripts/bf16_rows.py", "--out", "{out}", "--commit", "{commit}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
-              "16", "--repeats", "2", "--commit", "{commit}"])],
+              "16", "--repeats", "2", "--commit", "{commit}"]),
+        Step("exact_bf16", "--exact on CUDA: speculative == plain in bf16 (demo, compiled), and its cost", 60,
+             ["scripts/exact_bench.py", "--checkpoint_path", "demo/target/model.pth", "--head", "demo/head/draft.pth",
+              "--device", "cuda", "--precision", "bf16", "--compile", "--max_new_tokens", "96", "--no_chat", "--out",
+              "{out}.md"],
+             ["scripts/exact_bench.py", "--checkpoint_path", "demo/target/model.pth", "--head", "demo/head/draft.pth",
+              "--device", "cpu", "--precision", "bf16", "--prompts", "2", "--max_new_tokens", "16", "--no_chat",
+              "--out", "{out}.md"])],
 }
 
 

@@ -14,8 +14,10 @@ from decode import TreeConfig, generate, prefill, verify
 from draft_model import DraftModel
 from draft_tree import DraftTree
 from load import load_draft, load_target
+from lookup import NgramLookup
 from measure import random_head
 from sampling import SamplingConfig
+from step_aside import StepAside
 from tokenizer import Tokenizer
 
 GREEDY = SamplingConfig()
@@ -190,7 +192,7 @@ def test_every_head_kind_decodes_as_plain_in_bf16(demo_bf16, exact, kind, tree):
 
 def test_batches_chunked_prefill_and_the_draft_window_decode_as_plain_in_bf16(demo_bf16, exact):
     """Under --exact: a batch's rows (one verify for both), a prompt prefilled in chunks of 5 (plain's in one), a head
-    that sees only a window of the context, and the demo model drafting for itself (every draft accepted, so every
+    that sees only a window of the context, stepping aside, n-gram lookup, and the demo model drafting for itself (every draft accepted, so every
     row of every verify is committed) each give plain decoding's tokens."""
     target, prompts, plain = demo_bf16
     draft = demo_head("head", target)
@@ -207,6 +209,9 @@ def test_batches_chunked_prefill_and_the_draft_window_decode_as_plain_in_bf16(de
         draft.set_window(8, sinks=2)
         for p, want in zip(prompts, plain):
             assert generate(target, p, 48, GREEDY, draft=draft, tree=TREE).tokens == want
+            assert generate(target, p, 48, GREEDY, draft=draft, tree=TREE,
+                            step_aside=StepAside(retry_after=4, probe_steps=1)).tokens == want
+            assert generate(target, p, 48, GREEDY, lookup=NgramLookup(depth=4, topk=2, total_tokens=8)).tokens == want
         target.set_feature_layers(())
         itself = DraftModel(load_target(DEMO / "target", "cpu", "bf16", 256))
         itself.setup_caches(256)
