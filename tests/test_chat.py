@@ -158,11 +158,12 @@ def test_chat_template_file_and_its_variables(checkpoints, tmp_path):
     expect_error(argv[:4] + ["--chat_template_kwargs", "{}"], "--chat_template_kwargs needs --chat")
 
 
-@pytest.mark.parametrize("device, precision, speed_note, exact_note", [
-    ("cpu", "fp32", True, "token for token"), ("cuda", "bf16", False, "near-ties"), ("cuda", "fp32", False, "token for token")])
-def test_demo_note_says_only_what_holds_where_it_prints(capsys, device, precision, speed_note, exact_note):
+@pytest.mark.parametrize("device, precision, exact, speed_note, exact_note", [
+    ("cpu", "fp32", False, True, "token for token"), ("cuda", "bf16", False, False, "near-ties"),
+    ("cuda", "fp32", False, False, "token for token"), ("cuda", "bf16", True, False, "token for token (with --exact")])
+def test_demo_note_says_only_what_holds_where_it_prints(capsys, device, precision, exact, speed_note, exact_note):
     args = argparse.Namespace(demo=True, draft_checkpoint_path="demo/head/draft.pth", device=device,
-                              precision=precision, temperature=0.0)
+                              precision=precision, temperature=0.0, exact=exact)
     chat.demo_note(args)
     out = capsys.readouterr().out
     assert ("--no_draft is faster here" in out) == speed_note
