@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each
     torch.set_num_threads(1)
+    # and so do the processes a test starts (servers, CLIs, torchrun): two OpenMP threads each beside the other
+    # workers' made the real model's server test 6x slower on 2 cores (104 s against 17 s alone)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VOCAB = 96  # w0 .. w91 plus four specials
 # Draws per statistical (chi-square) test; raise it for a deeper run: EAGLET_STAT_SAMPLES=10000 pytest -m stat

@@ -199,14 +199,18 @@ def test_smollm2_prefilled_in_chunks_gives_transformers_logits_at_7200_tokens(tm
     model = load_target(tmp_path / "model.pth", "cpu", "fp32", 7300)
     at = torch.tensor(list(range(0, 7200, 400)) + [7199])
     with torch.no_grad():
-        hidden = hf.model(torch.tensor([ids])).last_hidden_state[0, at]
-        want = hf.lm_head(hidden)
+        out = hf.model(torch.tensor([ids]), use_cache=True)
+        want = hf.lm_head(out.last_hidden_state[0, at])
         _, features = prefill(model, torch.tensor([ids]), 0, 512)
         got = model.logits(features[0, at])
-    # fp32 sums over 7,200 positions in another order: 1.5e-4 measured on logits up to about 30 (one-shot alike)
-    assert_close_in_scale(got, want, ulps=128)
-    run = generate(model, ids, 6, GREEDY)
-    expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, 7200:].tolist()
+        # fp32 sums over 7,200 positions in another order: 1.5e-4 measured on logits up to about 30 (one-shot alike)
+        assert_close_in_scale(got, want, ulps=128)
+        expected, past, token = [], out.past_key_values, int(want[-1].argmax())  # transformers' greedy steps
+        for _ in range(6):
+            expected.append(token)
+            step = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+    run = generate(model, ids, 6, GREEDY, start_pos=7199)  # the caches hold the prompt: only its last token again
     assert run.tokens == expected
 
 

@@ -175,16 +175,19 @@ def test_the_real_model_thinks_then_answers_and_its_thinking_is_apart(thinking_s
     message = both(thinking_server, {"messages": conversation()})
     assert message["reasoning_content"] == "France's capital is Paris."
     assert message["content"] == "Paris"
-    kept = both(thinking_server, {"messages": conversation(), "separate_reasoning": False})
+    # one way each from here (the stream and the whole reply agree above; test_serve.py holds them alike throughout)
+    kept = ask(thinking_server, {"messages": conversation(), "separate_reasoning": False}, stream=False)
     assert "reasoning_content" not in kept and kept["content"].startswith("<think>\nFrance's capital")
-    opened = both(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"think_open": True}})
+    opened = ask(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"think_open": True}},
+                 stream=True)
     assert opened["reasoning_content"] and opened["content"]  # the prompt opened the thinking: no <think> to write
-    off = both(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"enable_thinking": False}})
+    off = ask(thinking_server, {"messages": conversation(), "chat_template_kwargs": {"enable_thinking": False}},
+              stream=False)
     assert off["reasoning_content"] is None and "think>" not in off["content"]
     url, httpx = thinking_server
     usages = [httpx.post(url + "/v1/chat/completions", timeout=HANG_S, json={
-        "messages": conversation(), "temperature": 0, "max_tokens": 48, "n": 2, **extra}).json()["usage"]
-        for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+        "messages": conversation(), "temperature": 0, "max_tokens": 48, "n": n, **extra}).json()["usage"]
+        for n, extra in ((2, {}), (1, {"chat_template_kwargs": {"enable_thinking": False}}))]
     thinking = usages[0]["completion_tokens_details"]["reasoning_tokens"]
     assert 2 * 8 <= thinking < usages[0]["completion_tokens"]  # two choices' thinking, "France's capital is Paris."
     assert usages[1]["completion_tokens_details"] == {"reasoning_tokens": 0}
@@ -198,8 +201,9 @@ def test_a_schema_and_a_forced_call_start_where_the_thinking_ends(thinking_serve
         "type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
     assert message["reasoning_content"], "the grammar constrained the thinking too"
     assert set(json.loads(message["content"])) == {"city"}
-    message = both(thinking_server, {"messages": conversation(), "tools": WEATHER, "max_tokens": 64,
-                                     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    message = ask(thinking_server, {"messages": conversation(), "tools": WEATHER, "max_tokens": 64,
+                                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                  stream=True)
     assert message["reasoning_content"], "the forced call constrained the thinking too"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
