@@ -223,8 +223,9 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
     hold. Each setting is generate.py's flag of that name, with its default (device auto: cuda if available;
     precision None: bf16 on CUDA, fp32 on CPU); prompts: texts, encoded through the chat template with chat or
     interactive; interactive: one long conversation, no prompts; draft_model: a model drafting in a head's place; ngram:
-    n-gram lookup (the tree returned is its NgramLookup); exact: --exact (Transformer.set_exact). The checkpoints: the files or their folders. Under
-    tensor parallel (group) this rank's shard of the target. No collective here: tp.agreed runs it."""
+    n-gram lookup (the tree returned is its NgramLookup); exact: --exact (Transformer.set_exact). The checkpoints: the
+    files or their folders. Under tensor parallel (group) this rank's shard of the target. No collective here:
+    tp.agreed runs it."""
     device = pick_device(device)
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     sampling = SamplingConfig(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty,

@@ -450,7 +450,7 @@ class Transformer(nn.Module):
         with this lm_head, and head training call it), so a change here (a soft-cap, a scale) reaches them all.
         rows: a Linear of some of the lm_head's rows (a draft vocabulary's), used in its place."""
         lm_head = self.output if rows is None else rows
-        if hidden.ndim > 1 and hidden.numel() < self.exact_rows * hidden.shape[-1]:  # --exact: padded as the forward's rows are (set_exact)
+        if hidden.ndim > 1 and hidden.numel() < self.exact_rows * hidden.shape[-1]:  # --exact: padded (set_exact)
             pad = torch.arange(self.exact_rows, device=hidden.device).clamp(max=hidden.shape[-2] - 1)
             return lm_head(hidden[..., pad, :])[..., :hidden.shape[-2], :]
         return lm_head(hidden)

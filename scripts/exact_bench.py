@@ -1,6 +1,6 @@
 """--exact measured: greedy speculative decoding against plain decoding of the same target, token for token, with and
-without --exact, and what --exact costs in tokens/s. Ten everyday chat prompts through the model's chat template (or as text);
-speculation never steps aside (--step_aside off), so every token but the plain run's comes from a verify.
+without --exact, and what --exact costs in tokens/s. Ten everyday chat prompts through the model's chat template
+(or as text); speculation never steps aside (--step_aside off), so every token but the plain run's comes from a verify.
 
     python convert_hf_checkpoint.py --checkpoint_dir heads/smollm2-135m-instruct-eagle      # its head, once
     python scripts/exact_bench.py --checkpoint_path /tmp/smol/model.pth \\

@@ -12,7 +12,7 @@ from attention import causal_mask
 from batch import generate_batch
 from decode import TreeConfig, generate, prefill, verify
 from draft_model import DraftModel
-from draft_tree import DraftTree
+from draft_tree import DraftTree, StaticTree
 from load import load_draft, load_target
 from lookup import NgramLookup
 from measure import random_head
@@ -170,16 +170,16 @@ def demo_head(kind: str, target):
     return draft
 
 
-@pytest.mark.parametrize("kind, tree", [("head", TREE), ("head3", TREE), ("dflash", TREE), ("dspark", TREE),
-                                        ("dflash2", TREE), ("peagle", TREE), ("xpress", TREE),
-                                        ("dflash", TreeConfig(depth=6, topk=1, total_tokens=7)),
-                                        ("dspark", TreeConfig(depth=6, topk=1, total_tokens=7)),
-                                        ("dflash2", TreeConfig(depth=6, topk=1, total_tokens=7)),
-                                        ("peagle", TreeConfig(depth=6, topk=1, total_tokens=7)),
-                                        ("xpress", TreeConfig(depth=6, topk=1, total_tokens=7))])
+CHAIN = TreeConfig(depth=6, topk=1, total_tokens=7)
+
+
+@pytest.mark.parametrize("kind, tree", [
+    ("head", StaticTree()), ("head", TREE), ("head3", TREE), ("dflash", TREE), ("dspark", TREE), ("dflash2", TREE),
+    ("peagle", TREE), ("xpress", TREE), ("dflash", CHAIN), ("dspark", CHAIN), ("dflash2", CHAIN), ("peagle", CHAIN),
+    ("xpress", CHAIN)])
 def test_every_head_kind_decodes_as_plain_in_bf16(demo_bf16, exact, kind, tree):
-    """EAGLE-2 and EAGLE-3 trees; DFlash, DSpark, DFlash2, P-EAGLE and XPress trees and chains: under --exact, greedy
-    speculative decoding of the bf16 demo target gives plain decoding's tokens bit for bit."""
+    """EAGLE-1's static tree, EAGLE-2 and EAGLE-3 trees; DFlash, DSpark, DFlash2, P-EAGLE and XPress trees and chains:
+    under --exact, greedy speculative decoding of the bf16 demo target gives plain decoding's tokens bit for bit."""
     target, prompts, plain = demo_bf16
     draft = demo_head(kind, target)
     target.set_exact(True)
@@ -192,8 +192,8 @@ def test_every_head_kind_decodes_as_plain_in_bf16(demo_bf16, exact, kind, tree):
 
 def test_batches_chunked_prefill_and_the_draft_window_decode_as_plain_in_bf16(demo_bf16, exact):
     """Under --exact: a batch's rows (one verify for both), a prompt prefilled in chunks of 5 (plain's in one), a head
-    that sees only a window of the context, stepping aside, n-gram lookup, and the demo model drafting for itself (every draft accepted, so every
-    row of every verify is committed) each give plain decoding's tokens."""
+    that sees only a window of the context, stepping aside, n-gram lookup, and the demo model drafting for itself
+    (every draft accepted, so every row of every verify is committed) each give plain decoding's tokens."""
     target, prompts, plain = demo_bf16
     draft = demo_head("head", target)
     target.set_exact(True)

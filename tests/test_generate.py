@@ -140,7 +140,8 @@ def test_sentencepiece_tokenizer_and_llama2_chat_format(tmp_path):
 
 def test_checkpoint_folders_are_accepted_and_hugging_face_files_refused(spec_pair, tmp_path):
     target, head = spec_pair
-    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu"]
+    # cycles compared: every one of them, not where the clock says to step aside
+    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu", "--step_aside", "off"]
     by_file = run_cli(tmp_path, ["--checkpoint_path", str(target / "model.pth"),
                                  "--draft_checkpoint_path", str(head / "draft.pth")] + base)
     by_folder = run_cli(tmp_path, ["--checkpoint_path", str(target), "--draft_checkpoint_path", str(head)] + base)
@@ -167,7 +168,8 @@ def test_a_folder_of_one_converted_checkpoint_is_that_file_and_of_several_refuse
     folder = tmp_path / "target"
     shutil.copytree(target, folder)
     int8 = quantize_checkpoint(folder / "model.pth", "int8", log=lambda s: None)
-    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu", "--draft_checkpoint_path", str(head)]
+    base = ["--prompt", "w5 w6", "--max_new_tokens", "12", "--device", "cpu", "--draft_checkpoint_path", str(head),
+            "--step_aside", "off"]  # cycles compared: every one of them, not where the clock stepped aside
     expect_error(["--checkpoint_path", str(folder)] + base,
                  f"{folder} holds 2 checkpoints (model.pth, model_int8.pth): give the file itself")
     by_file = run_cli(tmp_path, ["--checkpoint_path", str(int8)] + base)
