@@ -54,10 +54,18 @@ SLOW_CASES = ("test_speculative.py::test_greedy_speculative_equals_plain[random"
               "test_attention.py::test_block_sparse_attention_equals_masked_attention[prefill across a block edge]")
 
 
+# The modules holding the minute-long tests run first: xdist hands tests out in collection order, and one of them
+# started last kept its worker busy for minutes after the other had finished (a compiled server's warm-up: 180 s).
+FIRST = ("test_serve_compiled.py", "test_bench.py", "test_long_context.py", "test_tp.py", "test_inflate_eagle3.py",
+         "test_serve_reasoning.py", "test_exact.py")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if any(case in item.nodeid for case in SLOW_CASES):
             item.add_marker(pytest.mark.slow)
+    module = lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1]  # noqa: E731
+    items.sort(key=lambda item: FIRST.index(module(item)) if module(item) in FIRST else len(FIRST))  # stable
 
 
 def pytest_configure(config):
