@@ -75,9 +75,13 @@ def main(argv=None):
     from measure import git_commit
     args.device = pick_device(args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    model, tokenizer, draft, _, tree, prompts, _ = load(
-        args.checkpoint_path, draft_checkpoint_path=args.head, device=args.device, precision=args.precision,
-        prompts=PROMPTS[:args.prompts], chat=not args.no_chat, max_new_tokens=args.max_new_tokens, batch_size=1)
+    from checkpoint import EagletError
+    try:
+        model, tokenizer, draft, _, tree, prompts, _ = load(
+            args.checkpoint_path, draft_checkpoint_path=args.head, device=args.device, precision=args.precision,
+            prompts=PROMPTS[:args.prompts], chat=not args.no_chat, max_new_tokens=args.max_new_tokens, batch_size=1)
+    except EagletError as e:
+        sys.exit(f"error: {e}")
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     lines = [f"{name}, {time.strftime('%Y-%m-%d')}, commit {git_commit()}, {args.checkpoint_path.name} in "
              f"{args.precision}, {len(prompts)} chat prompts x {args.max_new_tokens} tokens, greedy, tree {tree.depth}/"
