@@ -374,6 +374,10 @@ class Transformer(nn.Module):
         attention.EXACT = on
         self.exact_rows = 0 if not on else max(2, verify_rows) if self.tok_embeddings.weight.is_cuda else 2
 
+    def exact_padding(self, n: int, device) -> Tensor:
+        """--exact: the indices of n rows padded to exact_rows, the last row repeated."""
+        return torch.arange(self.exact_rows, device=device).clamp(max=n - 1)
+
     def set_feature_layers(self, layers):
         """Return the hidden states entering these layers (len(layers) x dim wide) as the features, instead
         of the final-normed last hidden state; index n_layer means the last layer's output, before the norm."""
@@ -424,7 +428,7 @@ class Transformer(nn.Module):
         Returns (logits at logits_idx, or at every position; features [B, T, dim * max(1, len(feature_layers))]).
         """
         if idx.shape[0] * idx.shape[1] < self.exact_rows:  # --exact: the last row again, its output dropped
-            pad = torch.arange(self.exact_rows, device=idx.device).clamp(max=idx.shape[1] - 1)
+            pad = self.exact_padding(idx.shape[1], idx.device)
             logits, features = self(idx[:, pad], input_pos[..., pad], cache_slots[..., pad],
                                     mask[..., pad, :], logits_idx)
             return (logits if logits_idx is not None else logits[:, :idx.shape[1]]), features[:, :idx.shape[1]]
@@ -451,8 +455,8 @@ class Transformer(nn.Module):
         rows: a Linear of some of the lm_head's rows (a draft vocabulary's), used in its place."""
         lm_head = self.output if rows is None else rows
         if hidden.ndim > 1 and hidden.numel() < self.exact_rows * hidden.shape[-1]:  # --exact: padded (set_exact)
-            pad = torch.arange(self.exact_rows, device=hidden.device).clamp(max=hidden.shape[-2] - 1)
-            return lm_head(hidden[..., pad, :])[..., :hidden.shape[-2], :]
+            n = hidden.shape[-2]
+            return lm_head(hidden[..., self.exact_padding(n, hidden.device), :])[..., :n, :]
         return lm_head(hidden)
 
     def compact_kv(self, src_slots: Tensor, dst_slots: Tensor):
