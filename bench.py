@@ -376,7 +376,21 @@ def out_files(out: Path) -> tuple:
 
 
 def check_out(paths: tuple, overwrite: bool):
-    """Before the long work: the folder made, the files writable, and none replaced without --overwrite."""
+    """Before the long work: the files writable (or their folder one that can be made), and none replaced without
+    --overwrite. Makes nothing: a mistake found later (a missing checkpoint) leaves no empty folder behind."""
+    folder = paths[0].parent
+    if not folder.is_dir():
+        existing = next(p for p in folder.absolute().parents if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise EagletError(f"--out {folder}: cannot make the folder: {existing} is not a writable folder")
+        return
+    for path in paths:
+        if path.exists() and not overwrite:
+            raise EagletError(f"--out: {path} exists; give another --out, or --overwrite")
+        check_writable(path, "--out")
+
+
+def make_out_folder(paths: tuple):
     folder = paths[0].parent
     if not folder.is_dir():
         try:
@@ -384,10 +398,6 @@ def check_out(paths: tuple, overwrite: bool):
         except OSError as e:
             raise EagletError(f"--out {folder}: cannot make the folder: {e.strerror}")
         print(f"made the folder {folder} for --out")
-    for path in paths:
-        if path.exists() and not overwrite:
-            raise EagletError(f"--out: {path} exists; give another --out, or --overwrite")
-        check_writable(path, "--out")
 
 
 def load_models(args, device: str, group=None, paths: tuple = ()):
@@ -496,6 +506,8 @@ def main(argv=None):
             raise EagletError("--hf runs transformers on the same weights, which it cannot read quantized: "
                               "bench the bf16 model.pth for that row")
         prompt, prompt_text = tp.agreed(group, side_prompt, args)
+        if not torchrun_rank():
+            make_out_folder(paths)
         copy_bw = copy_bandwidth(device)
         name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
         results = {"setup": {"model": args.model or str(args.checkpoint_path), "device_name": name,

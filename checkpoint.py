@@ -161,7 +161,12 @@ def converted_file(path, name: str) -> Path:
             raise EagletError(f"no {name} in {path}; it holds {', '.join(others)}: give the file itself")
         if any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin")):
             raise EagletError(f"{path} holds Hugging Face weights, not a converted {name}: {convert} {path}")
+        gguf = sorted(path.glob("*.gguf"))
+        if gguf:
+            raise EagletError(f"{path} holds a GGUF file, not a converted {name}: {convert} {gguf[0]} --out_dir FOLDER")
         raise EagletError(f"no {name} in {path} ({convert} on the model's folder)")
     if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
         raise EagletError(f"{path} is a Hugging Face weights file, not a converted {name}: {convert} {path.parent}")
+    if path.suffix == ".gguf":
+        raise EagletError(f"{path} is a GGUF file, not a converted {name}: {convert} {path} --out_dir FOLDER")
     return path

@@ -213,6 +213,7 @@ def parse_args(argv=None):
     p.add_argument("--json_out", type=Path, default=None,
                    help="write the prompt's tokens and each sample's tokens, text, tokens/s, accept lengths and tau "
                         "as JSON, with their means (several prompts: a list of such objects)")
+    p.add_argument("--overwrite", action="store_true", help="replace --json_out if it exists")
     args = p.parse_args(argv)
     if args.checkpoint_path is None and (args.chat or args.interactive):
         p.error("the demo is a code-completion model with no chat template: --chat and --interactive need a "
@@ -226,6 +227,8 @@ def parse_args(argv=None):
         p.error("--stop needs a non-empty text")
     if args.interactive and args.json_out:
         p.error("--json_out records one generation; --interactive has many (give a --prompt instead)")
+    if args.json_out and args.json_out.is_file() and not args.overwrite:
+        p.error(f"--json_out {args.json_out} exists; give another path, or --overwrite to replace it")
     try:
         args.prompts = (args.prompt or []) + (read_prompts(args.prompt_file) if args.prompt_file else [])
     except ValueError as e:

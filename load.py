@@ -27,7 +27,7 @@ from lookup import NgramLookup
 from head_formats import check_target_copies, default_draft_vocab, head_config, load_head, read_draft_vocab
 from checkpoint import EagletError, converted_file, read_config
 from model import Transformer, context_limit
-from quantize import weight_bytes, weights_format
+from quantize import Int8Linear, weight_bytes, weights_format
 from tokenizer import Tokenizer
 import tp
 from tune import AUTO_SIZES, tuning_cache_size, widest_tree
@@ -339,10 +339,13 @@ def describe(model: Transformer, draft: Optional[DraftHead], tree: TreeConfig, c
         print(f"note: int4 weights in fp32 on a CPU are kept dequantized, the same values (torch's CPU int4 kernel "
               f"is fast with bf16 activations only): {weight_bytes(model) / 1e9:.2f} GB in memory; --precision bf16 "
               "keeps them 4-bit")
-    quantized = [weights_format(m) for m in (model, draft) if m is not None and weights_format(m).startswith("int")]
-    if device == "cpu" and quantized and precision != "bf16":
-        print(f"note: on a CPU, quantized weights ({quantized[0]}) are fast with bf16 activations only (torch's CPU "
-              f"kernels); in {precision} a step took 4-6x the fp32 model's (docs/quantization.md): --precision bf16")
+    # int4 in fp32 is kept dequantized (above); int8 in fp32 dequantizes at every call
+    int8 = [name for name, m in (("target", model), ("head", draft))
+            if m is not None and any(isinstance(x, Int8Linear) for x in m.modules())]
+    if device == "cpu" and int8 and precision != "bf16":
+        print(f"note: on a CPU, int8 weights (the {' and '.join(int8)}'s) are fast with bf16 activations only "
+              f"(torch's CPU kernel); in {precision} each is dequantized at every call (a whole int8 model's step "
+              "took about 4x the fp32 model's, docs/quantization.md): --precision bf16")
 
 
 def short_path(path: Path) -> str:

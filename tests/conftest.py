@@ -369,10 +369,11 @@ def cli_plain_and_speculative(target_dir: Path, head_path: Path, tmp_path: Path)
 
 
 def run_cli(tmp_path, argv) -> dict:
-    """generate.py's main(argv) with --json_out, read back as read_generation reads it."""
+    """generate.py's main(argv) with --json_out, read back as read_generation reads it (the file of the last call
+    replaced: --overwrite)."""
     from generate import main
     out = tmp_path / "out.json"
-    main(argv + ["--json_out", str(out)])
+    main(argv + ["--json_out", str(out), "--overwrite"])
     return read_generation(out)
 
 

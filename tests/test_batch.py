@@ -154,7 +154,7 @@ def test_compiled_batch_equals_eager_in_one_graph(demo, head):
 
 def cli_json(argv: list, path) -> object:
     import generate
-    generate.main(argv + ["--json_out", str(path)])
+    generate.main(argv + ["--json_out", str(path), "--overwrite"])
     return json.loads(path.read_text())
 
 

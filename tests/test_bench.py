@@ -490,6 +490,15 @@ def test_existing_results_are_kept(tmp_path):
     assert (tmp_path / "r.md").read_text() == "mine" and not (tmp_path / "r.json").exists()
 
 
+def test_a_mistake_found_after_the_out_check_leaves_no_folder(tmp_path):
+    expect_error(["--checkpoint_path", str(tmp_path / "missing" / "model.pth"), "--out", str(tmp_path / "new" / "r")],
+                 "missing", bench.main)
+    assert not (tmp_path / "new").exists()  # the folder is made once the models are loaded and checked
+    (tmp_path / "a_file").write_text("mine")
+    expect_error(["--model", "tiny", "--out", str(tmp_path / "a_file" / "sub" / "r")],
+                 f"cannot make the folder: {tmp_path / 'a_file'} is not a writable folder", bench.main)
+
+
 def test_out_names_the_pair_of_files():
     assert bench.out_files(Path("a/run.v2")) == (Path("a/run.v2.json"), Path("a/run.v2.md"))
     assert bench.out_files(Path("a/run.json")) == bench.out_files(Path("a/run.md")) == (Path("a/run.json"),

@@ -92,6 +92,9 @@ def w(checkpoints, tmp_path_factory):
                                    lambda p: (p / "config.json").write_text("[1, 2]"))
     ns.head_two_layers = copy_head(ns.head, root / "head_two_layers", lambda p: set_config(p, num_hidden_layers=2))
     (root / "a_dir.json").mkdir()
+    (root / "kept.json").write_text('{"kept": true}')
+    (root / "gguf").mkdir()
+    (root / "gguf" / "model.Q4_0.gguf").write_bytes(b"GGUF")  # named, never read: refused before any reading
     ns.data = questions(root / "q.jsonl", [json.dumps({"turns": ["w1 w2"], "reference": ["w3 w4"]})] * 4)
     ns.bad_data = questions(root / "bad.jsonl", ['{"turns": ["w1"]', '{"no": "turns"}'])
     ns.state = root / "state_of_other"  # a head being trained for another target
@@ -136,6 +139,8 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "json_out in a missing folder": ("generate", lambda w: gen(w, "--json_out", str(w.root / "nope" / "o.json")),
                                      "does not exist"),
     "json_out a directory": ("generate", lambda w: gen(w, "--json_out", str(w.root / "a_dir.json")), "is a directory"),
+    "json_out exists": ("generate", lambda w: gen(w, "--json_out", str(w.root / "kept.json")),
+                        "kept.json exists; give another path, or --overwrite"),
     "json_out read-only": ("generate", lambda w: gen(w, "--json_out", "/proc/eaglet.json"), "cannot be written"),
     "max_new_tokens negative": ("generate", lambda w: gen(w, "--max_new_tokens", "-3"), "--max_new_tokens"),
     "max_new_tokens zero": ("generate", lambda w: gen(w, "--max_new_tokens", "0"), "--max_new_tokens"),
@@ -157,6 +162,10 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "num_samples zero": ("generate", lambda w: gen(w, "--num_samples", "0"), "--num_samples"),
     "checkpoint a Hugging Face file": ("generate", lambda w: gen(w, ckpt="hf_file"), "convert it first"),
     "checkpoint a Hugging Face folder": ("generate", lambda w: gen(w, ckpt="hf_folder"), "holds Hugging Face weights"),
+    "checkpoint a GGUF file": ("generate", lambda w: ["--checkpoint_path", str(w.root / "gguf" / "model.Q4_0.gguf")],
+                               "is a GGUF file, not a converted model.pth: convert it first"),
+    "checkpoint a folder with a GGUF file": ("generate", lambda w: ["--checkpoint_path", str(w.root / "gguf")],
+                                             "holds a GGUF file, not a converted model.pth: convert it first"),
     "head a Hugging Face folder": ("generate", lambda w: gen(w, "--draft_checkpoint_path", str(w.hf_head)),
                                    "holds Hugging Face weights, not a converted draft.pth"),
     "stop empty": ("generate", lambda w: gen(w, "--stop", ""), "--stop needs a non-empty text"),
@@ -237,6 +246,9 @@ def test_outputs_are_not_clobbered(w):
     before = {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()}
     with pytest.raises(SystemExit):
         train_draft.main(train(w, out=w.good.parent))
+    assert {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()} == before
+    with pytest.raises(SystemExit):  # a file of the target's folder as --json_out
+        generate.main(gen(w, "--max_new_tokens", "2", "--json_out", str(w.good.parent / "config.json")))
     assert {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()} == before
 
 

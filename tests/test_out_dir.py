@@ -60,7 +60,8 @@ def generated(checkpoint, json_out, *extra) -> tuple:
     """What generate.py's CLI writes for one greedy prompt: the prompt's tokens and each sample's tokens and
     accept lengths."""
     generate.main(["--checkpoint_path", str(checkpoint), "--device", "cpu", "--prompt", "w1 w2 w3",
-                   "--max_new_tokens", "12", "--json_out", str(json_out), "--step_aside", "off", *extra])
+                   "--max_new_tokens", "12", "--json_out", str(json_out), "--overwrite", "--step_aside", "off",
+                   *extra])
     record = json.loads(json_out.read_text())
     return record["prompt_tokens"], [(s["tokens"], s["accept_lengths"]) for s in record["samples"]]
 

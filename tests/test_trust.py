@@ -108,7 +108,7 @@ def test_compile_with_few_new_tokens(pair, tmp_path, monkeypatch):
         for n in ("1", "3"):
             out = tmp_path / "o.json"
             generate.main(["--checkpoint_path", str(target_dir / "model.pth"), "--prompt", "w1 w2", "--compile",
-                           "--max_new_tokens", n, "--device", "cpu", "--json_out", str(out), *head])
+                           "--max_new_tokens", n, "--device", "cpu", "--json_out", str(out), "--overwrite", *head])
             assert len(read_generation(out)["tokens"]) == int(n)
     assert len(compiled) == 6  # the step, and with the head the cycle and the plain step it may step aside to
 
@@ -155,7 +155,7 @@ def test_no_draft_wins_over_a_draft_path(pair, tmp_path):
             "--prompt", "w1", "--max_new_tokens", "12", "--device", "cpu", "--json_out", str(out)]
     generate.main(argv)
     assert read_generation(out)["cycles"] > 0
-    generate.main(argv + ["--no_draft"])
+    generate.main(argv + ["--no_draft", "--overwrite"])
     assert read_generation(out)["cycles"] == 0
 
 
