@@ -157,7 +157,8 @@ def demo_note(args):
 
 def same_text_note(precision: str, exact: bool = False) -> str:
     if precision == "fp32" or exact:
-        return "greedy: --no_draft gives the same text token for token" + (" (with --exact too)" if exact else "")
+        return "greedy: --no_draft gives the same text token for token" + (
+            " (with --exact too; on CUDA with the same --total_tokens, the rows each call is padded to)" if exact else "")
     return (f"greedy in {precision}: --no_draft gives the same text up to near-ties, two tokens whose logits "
             f"{precision} cannot tell apart, where the two runs may part; --exact, or --precision fp32, gives the "
             "same text token for token")

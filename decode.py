@@ -237,9 +237,11 @@ def catch_up_prompt(target: Transformer, draft: DraftHead, prompt: list, first: 
 def catch_up_after_plain(target: Transformer, draft: DraftHead, context: list, first: int, root: Tensor,
                          chunk: Optional[int] = None) -> Tensor:
     """The head's h_last after plain steps wrote context[first:]: the target's features of those tokens (their K/V
-    written again, the same), and the head reads their pairs, the last with the root."""
-    _, features = prefill(target, torch.tensor([context[first:]], device=root.device), first, chunk or PREFILL_CHUNK)
-    return catch_up_prompt(target, draft, context, first, features, root, chunk or PREFILL_CHUNK)
+    written again, the same), and the head reads their pairs, the last with the root. --exact on CUDA: in calls of
+    the plain steps' row count, as cuBLAS picks its kernel by the rows (Transformer.set_exact)."""
+    chunk = target.exact_rows if target.exact_rows and root.is_cuda else chunk or PREFILL_CHUNK
+    _, features = prefill(target, torch.tensor([context[first:]], device=root.device), first, chunk)
+    return catch_up_prompt(target, draft, context, first, features, root, chunk)
 
 
 def plain_call(model, sampling: SamplingInputs, step_fn, state, filled: int):

@@ -55,7 +55,7 @@ class CapturedGraphs:
     def __call__(self, *args):
         key = tuple((a.shape, a.dtype) if isinstance(a, Tensor) else (a.greedy, a.logprobs, a.history is not None)
                     if isinstance(a, SamplingInputs) else repr(a) if isinstance(a, (SamplingConfig, TreeConfig))
-                    else id(a) for a in args)
+                    else id(a) for a in args) + (getattr(args[0], "exact_rows", 0),)  # the model's --exact padding
         if key not in self.graphs:
             self.graphs[key] = self.capture(args)
         inputs, graph, outputs = self.graphs[key]

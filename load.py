@@ -233,6 +233,9 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
     tree_of = partial(tree_config, tree, tree_choices, depth, tree_topk, total_tokens)
     shape = ngram_lookup(tree, depth, tree_topk, total_tokens, ngram_min, ngram_max) if ngram else \
         tree_of()  # checks the settings before anything is loaded
+    if exact and device == "cuda" and "auto" in (tree, total_tokens):
+        raise EagletError("--exact on CUDA pads every call to the verify's rows, which --tree auto and --total_tokens "
+                          "auto choose only once running (and time padded): give the tree's sizes")
     if json_out and not torchrun_rank():  # rank 0 writes it
         check_writable(json_out, "--json_out")
     checkpoint_path = converted_file(checkpoint_path, "model.pth")
@@ -265,7 +268,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
     if draft is not None:
         shape.check(draft)
     if exact:
-        model.set_exact(True, shape.total_tokens if draft is not None or ngram else 2)
+        model.set_exact(True, shape.total_tokens)  # without a head too: plain decoding pads as the verify would
     prefill_chunk_of(prefill_chunk, model.max_seq_length)  # a chunk larger than the cache: refused now
     return model, tokenizer, draft, sampling, shape, encoded, rows
 
@@ -339,6 +342,9 @@ def describe(model: Transformer, draft: Optional[DraftHead], tree: TreeConfig, c
         print(f"note: int4 weights in fp32 on a CPU are kept dequantized, the same values (torch's CPU int4 kernel "
               f"is fast with bf16 activations only): {weight_bytes(model) / 1e9:.2f} GB in memory; --precision bf16 "
               "keeps them 4-bit")
+    if model.exact_rows and model.tok_embeddings.weight.is_cuda:
+        print(f"note: --exact on CUDA pads every call to {model.exact_rows} rows (the verify's, as cuBLAS picks kernels "
+              f"by rows): plain decoding gives the same text with --no_draft --total_tokens {model.exact_rows}")
     # int4 in fp32 is kept dequantized (above); int8 in fp32 dequantizes at every call
     int8 = [name for name, m in (("target", model), ("head", draft))
             if m is not None and any(isinstance(x, Int8Linear) for x in m.modules())]

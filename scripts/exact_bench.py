@@ -84,12 +84,12 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     lines = [f"{name}, {time.strftime('%Y-%m-%d')}, commit {git_commit()}, {args.checkpoint_path.name} in "
-             f"{args.precision}, {len(prompts)} chat prompts x {args.max_new_tokens} tokens, greedy, tree {tree.depth}/"
+             f"{args.precision}, {len(prompts)} {'' if args.no_chat else 'chat '}prompts x {args.max_new_tokens} tokens, greedy, tree {tree.depth}/"
              f"{tree.topk}/{tree.total_tokens}{', compiled' if args.compile else ''}: "
              f"`python scripts/exact_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
              "| setting | speculative == plain | the others part at token | plain tokens/s | speculative tokens/s |",
              "| --- | --- | --- | --- | --- |"]
-    for exact in (False, True):
+    for exact in (True, False):  # --exact first: a run cut at its time limit keeps its row
         r = run_setting(model, tokenizer, draft, tree, prompts, args, exact)
         lines.append(f"| {'--exact' if exact else 'default'} | {r['equal']} of {len(prompts)} | "
                      f"{', '.join(map(str, r['parted'])) or '-'} | {r['plain_tps']:.1f} | {r['spec_tps']:.1f} |")
