@@ -1,6 +1,6 @@
 """Convert a Hugging Face LLaMA-family checkpoint folder into DIR/model.pth (eaglet's names, fused qkv),
-or an EAGLE-1/2, EAGLE-3, DFlash or DSpark draft head folder into DIR/draft.pth; which one it is comes from its
-contents.
+or an EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash, DSpark, DFlash2 or XPress draft head folder into DIR/draft.pth; which
+one it is comes from its contents.
 
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-chat-hf
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/yuhuili/EAGLE-llama2-chat-7B

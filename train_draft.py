@@ -1,5 +1,5 @@
-"""Train an EAGLE-1/2, EAGLE-3, DFlash, DSpark or DFlash2 draft head for a converted target; save it in the published
-format.
+"""Train an EAGLE-1/2, EAGLE-3, DFlash, DSpark, DFlash2 or XPress draft head for a converted target; save it in the
+published format.
 
     python train_draft.py --checkpoint_path checkpoints/org/model/model.pth --data corpus/*.txt \\
         --out_dir checkpoints/org/model-eagle --steps 2000 [--head eagle3 | dflash | dspark]

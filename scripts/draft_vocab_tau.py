@@ -9,7 +9,9 @@ LLaMA-3-8B's shape (128,256 x 4,096 in bf16). How generate.py's default draft vo
 A vocabulary is `full`, `ids:N` (the N lowest token ids with the EOS tokens: the default's rule, see
 head_formats.default_draft_vocab) or a file written by scripts/draft_vocab.py.
 """
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,22 +22,45 @@ LLAMA3_DIM, LLAMA3_VOCAB = 4096, 128256
 
 
 def questions_of(spec: str) -> list:
-    """FILE:A-B: the first turns of questions A..B (0-based, inclusive) of a FastChat .jsonl file."""
+    """FILE:A-B: the first turns of questions A..B (0-based, inclusive) of a FastChat .jsonl file; a mistake in the
+    spec or the file is a ValueError naming it."""
     path, _, span = spec.rpartition(":")
-    first, last = (int(v) for v in span.split("-"))
-    lines = Path(path).read_text().splitlines()[first:last + 1]
-    return [json.loads(line)["turns"][0] for line in lines]
+    first, _, last = span.partition("-")
+    if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
+        raise ValueError(f"--questions {spec}: give FILE:A-B, question numbers A <= B")
+    try:
+        lines = Path(path).read_text().splitlines()[int(first):int(last) + 1]
+        questions = [json.loads(line)["turns"][0] for line in lines]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"--questions {spec}: cannot read its questions ({e})")
+    if not questions:
+        raise ValueError(f"--questions {spec}: {path} has no questions {first}-{last}")
+    return questions
+
+
+def check_vocab(spec: str) -> str:
+    """--vocabs' word: full, ids:N (N > 0) or an existing draft_vocab.json."""
+    if spec == "full" or (spec.startswith("ids:") and spec[4:].isdigit() and int(spec[4:]) > 0) or Path(spec).is_file():
+        return spec
+    raise argparse.ArgumentTypeError(f"{spec!r} is neither full, ids:N nor a draft_vocab.json file")
 
 
 def main(argv=None):
     p = cli_parser(__doc__)
     p.add_argument("--checkpoint_path", type=Path, required=True)
     p.add_argument("--draft_checkpoint_path", type=Path, required=True)
-    p.add_argument("--vocabs", nargs="+", required=True, help="full, ids:N or a draft_vocab.json file, each")
+    p.add_argument("--vocabs", nargs="+", type=check_vocab, required=True,
+                   help="full, ids:N or a draft_vocab.json file, each")
     p.add_argument("--questions", nargs="+", required=True, help="FILE:A-B, first turns of questions A..B")
     p.add_argument("--tree", default="5/3/16", help="depth/top-k/total_tokens")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=64)
     args = p.parse_args(argv)
+    try:
+        questions = [q for spec in args.questions for q in questions_of(spec)]
+    except ValueError as e:
+        p.error(str(e))
+    if not re.fullmatch(r"\d+/\d+/\d+", args.tree):
+        p.error(f"--tree {args.tree}: give depth/top-k/total_tokens, e.g. 5/3/16")
     from decode import TreeConfig, generate
     from sampling import SamplingConfig
     from load import load_draft, load_target
@@ -45,8 +70,7 @@ def main(argv=None):
     try:
         model = load_target(args.checkpoint_path, "cpu", "fp32", 1024)
         tokenizer = Tokenizer(args.checkpoint_path)
-        prompts = [tokenizer.encode_chat([{"role": "user", "content": q}])
-                   for spec in args.questions for q in questions_of(spec)]
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
         greedy = SamplingConfig(temperature=0.0)
         tree = TreeConfig(*(int(v) for v in args.tree.split("/")))
         plain = [generate(model, p, args.max_new_tokens, greedy, tokenizer.eos_ids).tokens for p in prompts]

@@ -78,6 +78,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.out.exists():
+        p.error(f"--out {args.out} exists: give a new file")
     import torch
     from decode import TreeConfig, generate
     from load import load_draft, load_draft_model, load_target

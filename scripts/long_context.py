@@ -54,7 +54,10 @@ def parse_args(argv=None):
                         "the replies (the first one's times)")
     p.add_argument("--out", type=Path, default=None, help="a markdown file for the table (written as rows come)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one case in this process: case:length:chunk
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out and args.out.exists() and not args.one:  # a case's own process runs while the table is being written
+        p.error(f"--out {args.out} exists: give a new file")
+    return args
 
 
 def memory_kb(field: str) -> int:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoint import EagletError  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 HELD_OUT = ("gsm8k", "humaneval", "mt_bench")
@@ -27,8 +28,18 @@ def main():
     p.add_argument("--prompts", type=Path, required=True, help="folder of the shared FastChat question files")
     p.add_argument("--tokenizer", type=Path, required=True, help="the converted SmolLM2 folder")
     p.add_argument("--out", type=Path, required=True)
+    p.error = lambda message: sys.exit(f"error: {message}")  # one line, as every eaglet tool says a mistake
     args = p.parse_args()
-    tokenizer = Tokenizer(args.tokenizer)
+    files = [args.prompts / f"{name}.jsonl" for name in HELD_OUT]
+    if missing := [str(f) for f in files if not f.is_file()]:
+        p.error(f"--prompts: no {', '.join(missing)}")
+    written = [args.out / "train_extra.jsonl"] + [args.out / "heldout" / f.name for f in files]
+    if existing := [str(f) for f in written if f.exists()]:
+        p.error(f"--out already holds {', '.join(existing)}: give a new folder")
+    try:
+        tokenizer = Tokenizer(args.tokenizer)
+    except EagletError as e:
+        p.error(str(e))
     (args.out / "heldout").mkdir(parents=True, exist_ok=True)
     extra = []
     for name in HELD_OUT:
