@@ -109,12 +109,21 @@ def check_rope_scaling(rope: dict, name: str):
 
 def load_state_dict(path) -> dict:
     """Tensors saved with torch.save: memory-mapped from the zip format, read whole from the legacy format
-    (old checkpoints); a quantized file also holds its record under QUANT_KEY. weights_only: a pickle's code
-    is never run."""
+    (old checkpoints); a quantized file also holds its record under QUANT_KEY."""
+    state_dict = torch_load(path)
+    if not isinstance(state_dict, dict) or \
+            not all(isinstance(v, Tensor) for k, v in state_dict.items() if k != QUANT_KEY):
+        raise EagletError(f"{path} is not a state dict (a mapping of names to tensors)")
+    return state_dict
+
+
+def torch_load(path, mmap: bool = True):
+    """What torch.save wrote, with weights_only (a pickle's code is never run); a file torch cannot read is one
+    error naming it. mmap: the zip format memory-mapped (never for a file that is rewritten while in use)."""
     if Path(path).is_file() and Path(path).stat().st_size == 0:
         raise EagletError(f"{path} is empty")
     try:
-        state_dict = torch.load(str(path), map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=True)
+        return torch.load(str(path), map_location="cpu", mmap=mmap and zipfile.is_zipfile(path), weights_only=True)
     except (pickle.UnpicklingError, KeyError, EOFError):
         raise EagletError(f"cannot read {path}: not a checkpoint of plain tensors (corrupt, or it pickles other "
                           "objects, which are never unpickled here)")
@@ -124,10 +133,6 @@ def load_state_dict(path) -> dict:
         raise EagletError(f"cannot read {path}: truncated or corrupt (not a whole checkpoint archive)")
     except Exception as e:
         raise EagletError(f"cannot read {path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}")
-    if not isinstance(state_dict, dict) or \
-            not all(isinstance(v, Tensor) for k, v in state_dict.items() if k != QUANT_KEY):
-        raise EagletError(f"{path} is not a state dict (a mapping of names to tensors)")
-    return state_dict
 
 
 def mismatch_detail(e: RuntimeError, limit: int = 600) -> str:

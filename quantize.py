@@ -420,7 +420,10 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
     checkpoint_path = Path(checkpoint_path)
     if checkpoint_path.is_dir():  # a converted folder: its one target checkpoint, or a head folder's draft.pth
         is_head = not converted_files(checkpoint_path, "model.pth") and converted_files(checkpoint_path, "draft.pth")
-        checkpoint_path = converted_file(checkpoint_path, "draft.pth" if is_head else "model.pth")
+        name = "draft.pth" if is_head else "model.pth"
+        # quantized files beside the unquantized one came from it: that one is the input
+        plain = checkpoint_path / name
+        checkpoint_path = plain if plain.is_file() else converted_file(checkpoint_path, name)
     if not checkpoint_path.is_file():
         raise EagletError(f"checkpoint not found: {checkpoint_path} (convert_hf_checkpoint.py writes it)")
     if checkpoint_path.suffix in (".safetensors", ".bin"):

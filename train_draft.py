@@ -97,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--self_distill", action="store_true", help="the target writes the replies / continuations")
     p.add_argument("--max_new_tokens", type=int_flag(1), default=256, help="reply length for --self_distill")
     p.add_argument("--no_resume", action="store_true", help="start over even if out_dir has a train_state.pt")
+    p.add_argument("--chat_template", default="auto",
+                   help="how .jsonl conversations are written out: auto (the checkpoint's own, else a built-in one, "
+                        "named at start-up), llama2, vicuna, or a .jinja file")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda if available")
     p.add_argument("--head", choices=["eagle", "eagle3", "dflash", "dspark", "dflash2", "xpress"], default="eagle",
                    help="EAGLE-1/2, EAGLE-3, DFlash, DSpark, DFlash2 or XPress head")
@@ -152,7 +155,8 @@ from model import ModelArgs, Transformer  # noqa: E402
 from train_data import (batches, check_distill_files, examples_of, read_items, self_distill_paths,  # noqa: E402
                         self_distill_record, self_distilled_replies, target_replies)
 from train_heads import (check_out_dir, draft_vocabulary, eagle3_config, head_settings, llama_head_config,  # noqa: E402
-                         new_eagle3_head, new_head, prepare_out_dir, resume_from, save_head, target_shape)
+                         new_eagle3_head, new_head, prepare_out_dir, read_train_state, resume_from, save_head,
+                         target_shape)
 from tokenizer import Tokenizer  # noqa: E402
 
 
@@ -588,12 +592,14 @@ def recent_means(recent, steps: str = "unrolled steps") -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    made_out_dir = False
     try:
         cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
         args.checkpoint_path = converted_file(args.checkpoint_path, "model.pth")  # the file, or its folder
         check_out_dir(args.out_dir)
         if args.out_dir.resolve() == args.checkpoint_path.resolve().parent:
             raise EagletError(f"--out_dir {args.out_dir} is the target's own folder: the head would overwrite it")
+        made_out_dir = not args.out_dir.exists()
         prepare_out_dir(args.out_dir)
         if args.self_distill:
             check_distill_files(args.out_dir)
@@ -602,7 +608,9 @@ def main(argv=None):
         target = load_target(args.checkpoint_path, device, precision if args.self_distill else "fp32")
         check_lengths(target, cfg, args.max_new_tokens if args.self_distill else 0)
         check_head_flags(args, cfg, target)
-        tokenizer = Tokenizer(args.checkpoint_path.parent)
+        if not args.no_resume and (args.out_dir / "train_state.pt").is_file():  # before self-distilling
+            read_train_state(args.out_dir / "train_state.pt", target, args.head)
+        tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
         if any(str(path).endswith(".jsonl") for path in args.data):
             print(f"chat template: {tokenizer.chat_template_source}")
         items, replies = read_items(args.data, tokenizer, cfg.seq_len), None
@@ -623,6 +631,8 @@ def main(argv=None):
         train(target, examples, args.out_dir, cfg, resume=not args.no_resume, kind=args.head,
               feature_layers=args.feature_layers)
     except EagletError as e:
+        if made_out_dir and args.out_dir.is_dir() and not any(args.out_dir.iterdir()):
+            args.out_dir.rmdir()  # made for this run, which wrote nothing into it
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
@@ -632,6 +642,9 @@ def main(argv=None):
 
 def check_head_flags(args, cfg: TrainConfig, target: Transformer):
     """The EAGLE-3 settings against the target, before any long work (self-distillation)."""
+    twice = sorted({i for i in args.feature_layers or [] if args.feature_layers.count(i) > 1})
+    if twice:
+        raise EagletError(f"--feature_layers names layer {twice[0]} twice: each layer's features are read once")
     dflash = [f"--{k}" for k, v in asdict(cfg).items() if k in DFLASH_FLAGS and v != getattr(TrainConfig, k)]
     if dflash and args.head not in BLOCK_HEADS:
         raise EagletError(f"{dflash[0]} is for block drafters (--head {', '.join(BLOCK_HEADS)})")

@@ -20,7 +20,7 @@ from block_draft import DFlash2Draft, DFlashDraft, DSparkDraft, XPressDraft
 from draft import DraftHead, Eagle3Draft, EagleDraft, head_name
 from head_formats import eagle3_feature_layers, head_args, is_dflash_config
 from load import check_writable
-from checkpoint import EagletError, mismatch_detail, read_config
+from checkpoint import EagletError, mismatch_detail, read_config, torch_load
 from model import ModelArgs, Transformer
 from quantize import Int8Linear
 
@@ -95,20 +95,32 @@ def head_settings(head: DraftHead) -> dict:
             "draft_vocab": head.draft_to_target.tolist()}
 
 
-def resume_from(state_path: Path, head: DraftHead, optimizer, target: Transformer) -> int:
-    """Load a train_state.pt written for this target; returns the step it reached."""
+def read_train_state(state_path: Path, target: Transformer, kind: str) -> dict:
+    """A train_state.pt written while training a head of this kind for this target (checked before any long work:
+    self-distillation)."""
     try:
-        state = torch.load(state_path, map_location=target.output.weight.device, weights_only=True)
-        step = int(state["step"])
-    except Exception as e:
-        raise EagletError(f"cannot resume from {state_path}: {(str(e).strip().splitlines() or [repr(e)])[0]} "
+        state = torch_load(state_path, mmap=False)  # training rewrites the file while the state is in use
+    except EagletError as e:
+        raise EagletError(f"cannot resume: {e} (--no_resume starts over)")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "head" not in state:
+        raise EagletError(f"cannot resume from {state_path}: not a train_state.pt this tool wrote "
                           "(--no_resume starts over)")
     theirs, ours = state.get("target", target_shape(target)), target_shape(target)
     differ = [f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
     if differ:
         raise EagletError(f"{state_path} was written while training a head for another target ({', '.join(differ)}); "
                           "give another --out_dir, or --no_resume to start over")
-    theirs, ours = state.get("kind", {"head": "eagle"}), head_settings(head)
+    if state.get("kind", {"head": "eagle"}).get("head") != kind:
+        raise EagletError(f"{state_path} was written while training another head (head "
+                          f"{state.get('kind', {}).get('head', 'eagle')} vs {kind}); give another --out_dir, or "
+                          "--no_resume to start over")
+    return state
+
+
+def resume_from(state_path: Path, head: DraftHead, optimizer, target: Transformer) -> int:
+    """Load a train_state.pt written for this target; returns the step it reached."""
+    state, ours = read_train_state(state_path, target, head_settings(head)["head"]), head_settings(head)
+    theirs = state.get("kind", {"head": "eagle"})
     differ = [k if k == "draft_vocab" else f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
     if differ:
         raise EagletError(f"{state_path} was written while training another head ({', '.join(differ)} differ); "
@@ -118,7 +130,7 @@ def resume_from(state_path: Path, head: DraftHead, optimizer, target: Transforme
         optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, KeyError, ValueError) as e:
         raise EagletError(f"{state_path} does not fit this target's head: {mismatch_detail(e)}")
-    return step
+    return state["step"]
 
 
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".gguf")

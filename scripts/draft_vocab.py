@@ -37,22 +37,40 @@ def texts_of(path: Path):
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise EagletError(f"{path}:{n} is not JSON: {e}")
+        if not isinstance(record, dict):
+            raise EagletError(f"{path}:{n} is not a JSON object (a question with turns)")
         for key in ("turns", "reference"):
             value = record.get(key) or []
             yield from (value if isinstance(value, list) else [value])
 
 
-def data_files(paths: list) -> list:
-    files = []
+def is_text(path: Path) -> bool:
+    """No NUL byte in its first 8 KB: text in any 8-bit encoding or UTF-8, not a binary file."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def data_files(paths: list, log=print) -> list:
+    """The files named and the text files under the folders named (binary ones there are skipped, and counted)."""
+    files, skipped = [], 0
     for p in map(Path, paths):
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file())
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise EagletError(f"no such file or folder: {p}")
+        try:
+            if p.is_dir():
+                found = sorted(f for f in p.rglob("*") if f.is_file())
+                text = [f for f in found if is_text(f)]
+                files, skipped = files + text, skipped + len(found) - len(text)
+            elif p.is_file():
+                if not is_text(p):
+                    raise EagletError(f"{p} is not a text file (it holds NUL bytes)")
+                files.append(p)
+            else:
+                raise EagletError(f"no such file or folder: {p}")
+        except OSError as e:
+            raise EagletError(f"cannot read {e.filename or p}: {e.strerror}")
+    if skipped:
+        log(f"skipped {skipped} files under the folders that are not text")
     if not files:
-        raise EagletError("--data holds no files")
+        raise EagletError("--data holds no text files")
     return files
 
 
@@ -94,6 +112,9 @@ def main(argv=None):
     try:
         tokenizer = Tokenizer(args.tokenizer)
         counts = count_tokens(tokenizer, data_files(args.data))
+        if not counts:
+            raise EagletError("--data holds no text to count (.jsonl files give their questions' turns and "
+                              "references)")
         token_ids = most_frequent(counts, min(args.size, tokenizer.vocab_size), tokenizer.eos_ids)
         covered = sum(counts[t] for t in token_ids) / max(sum(counts.values()), 1)
         args.out.write_text(json.dumps({"token_ids": token_ids, "vocab_size": tokenizer.vocab_size,

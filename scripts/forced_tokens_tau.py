@@ -1,7 +1,9 @@
 """Structured output with and without forced runs (grammar.Constraint.forced_min: the shortest run of forced tokens
 taken without the target): over a few JSON schemas (and JSON mode) and prompts,
-greedy, the target's forwards a reply costs (cycles and the prefills that start segments), tokens per forward, tau,
-the grammar's host time per cycle, and whether the tokens are the same both ways.
+greedy, the target's forwards a reply costs (cycles and the prefills that start segments), tokens per forward, the
+tokens a cycle kept (not tau: a cycle cut at a draft the grammar refuses keeps those before it, maybe none, and the
+refused position's token comes from the next segment's prefill, so this can be below 1), the grammar's host time per
+cycle, and whether the tokens are the same both ways.
 
     python scripts/forced_tokens_tau.py                      # the demo and its EAGLE-2 head
     python scripts/forced_tokens_tau.py --checkpoint_path /tmp/smol/model.pth --draft_checkpoint_path /tmp/smolhead \\
@@ -67,7 +69,7 @@ def main(argv=None):
     print(f"{len(SCHEMAS) - 1} schemas and JSON mode x {len(PROMPTS)} prompts, greedy, {Path(args.checkpoint_path).parent.name} "
           f"with {Path(args.draft_checkpoint_path).parent.name if args.draft_checkpoint_path.endswith('.pth') else Path(args.draft_checkpoint_path).name}; "
           f"the same tokens every way: {same}")
-    print("| forced runs | tokens | cycles | prefills | target forwards | tokens / forward | tau (cycles) | forced tokens "
+    print("| forced runs | tokens | cycles | prefills | target forwards | tokens / forward | kept / cycle | forced tokens "
           "| grammar host ms / cycle | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for forced_min, t in totals.items():

@@ -111,6 +111,31 @@ def test_script_writes_the_most_frequent_tokens(tmp_path, capsys):
                  "no folder", main=script.main)
 
 
+def test_script_skips_binary_files_in_folders_and_refuses_data_without_text(tmp_path, capsys):
+    """A folder's binary files are skipped (and counted in a note), a binary file named is refused, and data that
+    gives no text (questions without turns) is an error, never a vocabulary of the EOS token alone."""
+    import scripts.draft_vocab as script
+    write_tokenizer(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("w7 w7 w9")
+    (data / "weights.bin").write_bytes(bytes(range(256)) * 4)
+    out = tmp_path / "v.json"
+    script.main(["--tokenizer", str(tmp_path), "--data", str(data), "--size", "3", "--out", str(out)])
+    assert json.loads(out.read_text())["counted_tokens"] == 3
+    assert "skipped 1 files under the folders that are not text" in capsys.readouterr().out
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(data / "weights.bin"), "--out", str(tmp_path / "b.json")],
+                 "is not a text file", main=script.main)
+    no_turns = tmp_path / "q.jsonl"
+    no_turns.write_text(json.dumps({"question_id": 1, "category": "writing"}) + "\n")
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(no_turns), "--out", str(tmp_path / "c.json")],
+                 "holds no text to count", main=script.main)
+    no_turns.write_text("[1, 2]\n")
+    expect_error(["--tokenizer", str(tmp_path), "--data", str(no_turns), "--out", str(tmp_path / "c.json")],
+                 "is not a JSON object", main=script.main)
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "c.json").exists()
+
+
 def test_default_draft_vocabulary_is_the_lowest_ids_with_the_eos_tokens():
     from head_formats import default_draft_vocab
     ids = default_draft_vocab(128256, keep_ids=(128001, 128009, 7), size=32768)

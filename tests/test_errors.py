@@ -192,7 +192,11 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "out_dir is the target's folder": ("train", lambda w: train(w, out=w.good.parent), "already holds a checkpoint"),
     "out_dir holds another checkpoint": ("train", lambda w: train(w, out=w.no_key.parent), "would overwrite it"),
     "resume from another target": ("train", lambda w: train(w, out=w.state), "another target (n_local_heads 2 vs 4"),
-    "resume from a corrupt state": ("train", lambda w: train(w, out=w.root / "bad_state"), "cannot resume"),
+    "resume from a corrupt state": ("train", lambda w: train(w, out=w.root / "bad_state"),
+                                    "cannot resume: cannot read"),
+    "feature layer twice": ("train", lambda w: train(w, "--head", "dflash", "--feature_layers", "1", "1"),
+                            "--feature_layers names layer 1 twice"),
+    "unknown chat template": ("train", lambda w: train(w, "--chat_template", "chatml"), "unknown chat template"),
     "lr nan": ("train", lambda w: train(w, "--lr", "nan"), "finite"),
     "batch_size zero": ("train", lambda w: train(w, "--batch_size", "0"), "batch_size must be at least 1"),
     "seq_len beyond the model": ("train", lambda w: train(w, "--seq_len", "100000"), "seq_len (100000) exceeds"),
@@ -250,6 +254,28 @@ def test_outputs_are_not_clobbered(w):
     with pytest.raises(SystemExit):  # a file of the target's folder as --json_out
         generate.main(gen(w, "--max_new_tokens", "2", "--json_out", str(w.good.parent / "config.json")))
     assert {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()} == before
+
+
+def test_a_state_that_does_not_fit_is_refused_before_self_distilling(w, tmp_path, capsys):
+    """A train_state.pt of another target or another kind of head is refused before the target writes any reply
+    (self-distillation is the long work); a folder made for a run that failed is removed, a corrupt state's error
+    is one line of ours; --chat_template picks how conversations are written out."""
+    with pytest.raises(SystemExit, match="another target"):
+        train_draft.main(train(w, "--self_distill", "--max_new_tokens", "4", out=w.state))
+    assert not list(w.state.glob("self_distill*"))
+    eagle = tmp_path / "eagle"
+    train_draft.main(train(w, "--batch_size", "2", "--chat_template", "vicuna", out=eagle))
+    assert "chat template: built-in vicuna" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"another head \(head eagle vs dflash\)"):
+        train_draft.main(train(w, "--self_distill", "--max_new_tokens", "4", "--head", "dflash", "--feature_layers",
+                               "1", out=eagle))
+    assert not list(eagle.glob("self_distill*"))
+    with pytest.raises(SystemExit, match="seq_len"):
+        train_draft.main(train(w, "--seq_len", "100000", out=tmp_path / "made" / "head"))
+    assert (tmp_path / "made").is_dir() and not (tmp_path / "made" / "head").exists()
+    with pytest.raises(SystemExit) as e:
+        train_draft.main(train(w, out=w.root / "bad_state"))
+    assert "weights_only" not in str(e.value.code) and "--no_resume starts over" in str(e.value.code)
 
 
 def test_a_diverged_training_saves_nothing(w):

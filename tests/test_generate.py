@@ -181,10 +181,13 @@ def test_a_folder_of_one_converted_checkpoint_is_that_file_and_of_several_refuse
     import train_draft
     for tool, argv in ((bench, ["--checkpoint_path", str(folder), "--draft_checkpoint_path", str(head)]),
                        (train_draft, ["--checkpoint_path", str(folder), "--data", str(folder / "config.json"),
-                                      "--out_dir", str(tmp_path / "out")]),
-                       (quantize, ["--checkpoint_path", str(folder), "--mode", "int4"])):
+                                      "--out_dir", str(tmp_path / "out")])):
         (folder / "model.pth").write_bytes(b"")  # a second checkpoint: the folder is refused before any work
         expect_error(argv, "holds 2 checkpoints (model.pth, model_int8.pth): give the file itself", tool.main)
+    # quantize.py's input is the unquantized file, whatever it wrote beside it
+    expect_error(["--checkpoint_path", str(folder), "--mode", "int8"],
+                 f"{folder / 'model_int8.pth'} exists; give --overwrite to replace it", quantize.main)
+    expect_error(["--checkpoint_path", str(folder), "--mode", "int4"], f"{folder / 'model.pth'} is empty", quantize.main)
 
 
 def test_generate_takes_one_prompt(checkpoints):
