@@ -195,6 +195,9 @@ def outside_lines(results: dict) -> list:
              "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {name} | {r['call_ms']:.3f} | {r['end_to_end_ms_per_call']:.3f} | {r['outside_ms_per_call']:.3f} | "
               f"{pct(r['at_call_rate'])} | {r['first_token_ms']:.1f} |" for name, r in rows.items()]
+    if any(r["outside_ms_per_call"] < 0 for r in rows.values()):
+        lines += ["", "Below zero outside the call: the run's calls took less than the same call back to back (timed "
+                  "apart, at another context); what is spent outside is below what these timings resolve here."]
     if loop:
         lines += ["", f"The host loop alone (run_calls with the device work taken out): {loop['plain']:.1f} us a plain "
                   f"step, {loop['EAGLE-2']:.1f} us a cycle."]

@@ -387,6 +387,8 @@ def test_derived_figures_follow_from_their_reported_inputs(runs):
         assert out["at_call_rate"] == pytest.approx(call_ms / out["end_to_end_ms_per_call"])
         assert 0 < run["first_token_ms"] < run["decode_ms"] + run["first_token_ms"]
         assert f"| {name} | {call_ms:.3f} | {out['end_to_end_ms_per_call']:.3f} |" in md
+    below = any(o["outside_ms_per_call"] < 0 for o in r["outside_the_graph"].values())
+    assert ("Below zero outside the call" in md) == below  # said only when a row is below zero
     assert side["eaglet plain"]["calls"] == setup["side_tokens"] - 1  # every token after the first is one step
     assert spec["calls"] * spec["tau"] == pytest.approx(setup["side_tokens"] - 1)  # tau: tokens per cycle after it
     assert 0 < r["host_loop_us"]["plain"] < 1e3 and 0 < r["host_loop_us"]["EAGLE-2"] < 1e3
