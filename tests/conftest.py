@@ -330,6 +330,24 @@ def make_agreeing_eagle3_pair(root: Path, vocab=48, hidden=64, n_layers=8, missi
     return root / "target", head_dir
 
 
+def traced_compile(compile_=torch.compile):
+    """torch.compile with the AOTAutograd tracer for a backend instead of inductor: dynamo traces as it does for
+    inductor (fullgraph, guards, what recompiles), the graph runs as eager code. For the GPU scripts' CPU dry runs
+    and the compiled server, whose checks are of their plumbing and their graph counts: on a GPU inductor writes
+    Triton, not the C++ it writes on a CPU, and a CPU with an empty inductor cache spends minutes compiling that C++
+    (the whole suite took 22 minutes on two cores so, against 12 with a filled cache). Inductor's CPU code is held to
+    eager code by the compiled-cycle tests (check_compiled_cycle and the others that compile)."""
+    def traced(model=None, **kwargs):
+        kwargs.pop("mode", None)  # CUDA graphs: a GPU's
+        return compile_(model, **{**kwargs, "backend": "aot_eager"})
+    return traced
+
+
+@pytest.fixture
+def without_inductor(monkeypatch):
+    monkeypatch.setattr(torch, "compile", traced_compile())
+
+
 def check_compiled_cycle(model, draft, tree, n_tokens=30):
     """The compiled speculative cycle decodes as eager (tokens and accepted lengths) over two prompts, in one
     graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out)."""

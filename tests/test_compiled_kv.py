@@ -69,18 +69,27 @@ def check_touches_one_layer_at_most(sizes: list, target: Transformer, draft=None
 
 @pytest.mark.parametrize("mode", ["", "int8"])
 def test_compiled_plain_step_writes_only_its_slot(mode):
+    """And one graph for every step of two prompts of different lengths, each decoded as eager code decodes it."""
+    from torch._dynamo.utils import counters
     target, _ = models(mode=mode)
-    eager = generate(target, [1, 5, 9], 6, GREEDY).tokens
     with kernel_sizes() as sizes:
-        compiled = generate(target, [1, 5, 9], 6, GREEDY, step_fn=compile_step(decode_one_token, "cpu")).tokens
-    assert compiled == eager
+        counters.clear()
+        step = compile_step(decode_one_token, "cpu")
+        for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
+            assert generate(target, prompt, 6, GREEDY, step_fn=step).tokens == generate(target, prompt, 6, GREEDY).tokens
+        assert counters["stats"]["unique_graphs"] == 1
     check_touches_one_layer_at_most(sizes, target)
 
 
 @pytest.mark.slow  # a minute of compiling; the fast tier's plain step catches a write through a view
-def test_compiled_cycle_writes_only_its_slots():
+def test_compiled_cycle_writes_only_its_slots(tmp_path):
     """Expansion (the draft's cache), verify (the tree's scratch slots), commit (the accepted path moved after
-    the context, every layer at once) and catch-up, in one compiled graph."""
+    the context, every layer at once) and catch-up, in one compiled graph; and on a head that agrees in part with
+    its target, the same graph for cycles that accept different lengths, each as eager code decodes (conftest's
+    check_compiled_cycle, which the other heads' compiled tests use too)."""
+    from conftest import check_compiled_cycle, make_agreeing_pair
+    from convert_hf_checkpoint import convert
+    from load import load_draft, load_target
     target, draft = models()
     eager = generate(target, [1, 5, 9], 8, GREEDY, draft=draft, tree=TREE)
     with kernel_sizes() as sizes:
@@ -88,6 +97,10 @@ def test_compiled_cycle_writes_only_its_slots():
                             step_fn=compile_step(speculative_cycle, "cpu"))
     assert compiled.tokens == eager.tokens and compiled.accept_lengths == eager.accept_lengths
     check_touches_one_layer_at_most(sizes, target, draft)
+    target_dir, head_dir, _ = make_agreeing_pair(tmp_path, vocab=32, hidden=32, wrong_fraction=0.3)
+    convert(target_dir), convert(head_dir)
+    agreeing = load_target(target_dir / "model.pth", "cpu", "fp32", 128)
+    assert len(check_compiled_cycle(agreeing, load_draft(head_dir / "draft.pth", agreeing), TREE)) >= 2
 
 
 @pytest.mark.slow

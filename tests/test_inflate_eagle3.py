@@ -140,7 +140,7 @@ def test_inflated_head3_folder_runs_through_the_cli(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gpu_check_eagle3_runs_on_cpu(tmp_path, monkeypatch):
+def test_gpu_check_eagle3_runs_on_cpu(tmp_path, monkeypatch, without_inductor):
     """gpu_check --eagle3 as a CPU smoke test on a small shape (8 layers, 5000 tokens: the head's feature
     layers moved, its draft vocabulary padded): after EAGLE-2's section, the EAGLE-3 cycle phase by phase and
     end to end in its own, lossless, with the demo head3's tau. The steps run eagerly (compile_step patched out) and the

@@ -12,7 +12,7 @@ import torch
 from conftest import STAT_SAMPLES, sampling_pair
 from decode import TreeConfig, generate
 from graphs import compile_step
-from load import load_draft_model, load_target
+from load import load_draft, load_draft_model, load_target
 from lookup import NgramLookup
 from model import EagletError
 from sampling import SamplingConfig, logits_to_probs
@@ -74,15 +74,25 @@ def test_greedy_under_penalties_equals_transformers_plain_and_speculative(target
     assert max(accepted) > 1  # drafts were accepted: the penalized verify ran over paths
 
 
-def test_penalties_compile_once_and_are_refused_where_not_built(target):
+def test_penalties_compile_once_and_are_refused_where_not_built(target, tmp_path):
+    """The plain step and an EAGLE cycle compiled (inductor's code equal to the reference), one graph each for every
+    penalized setting."""
     from torch._dynamo.utils import counters
+    from conftest import head_config, random_head_weights, write_eagle_head
+    from convert_hf_checkpoint import convert
     folder, hf, model = target
+    write_eagle_head(tmp_path, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
+    convert(tmp_path, log=lambda *_: None)
+    head = load_draft(tmp_path / "draft.pth", model)
     torch._dynamo.reset()
     counters.clear()
     step = compile_step(__import__("decode").decode_one_token, "cpu")
-    for s in PENALTIES[:3]:  # values are tensor inputs: one graph for every penalized setting
-        assert generate(model, PROMPT, 12, s, step_fn=step).tokens == penalized_reference(hf, PROMPT, 12, s)
-    assert counters["stats"]["unique_graphs"] == 1
+    cycle = compile_step(__import__("decode").speculative_cycle, "cpu")
+    for s in PENALTIES[:3]:  # values are tensor inputs: one graph for every penalized setting, the step's and the cycle's
+        want = penalized_reference(hf, PROMPT, 12, s)
+        assert generate(model, PROMPT, 12, s, step_fn=step).tokens == want
+        assert generate(model, PROMPT, 12, s, draft=head, tree=TreeConfig(2, 3, 8), step_fn=cycle).tokens == want
+    assert counters["stats"]["unique_graphs"] == 2
     with pytest.raises(EagletError, match="repetition_penalty above 0"):
         SamplingConfig(repetition_penalty=0.0)
     with pytest.raises(EagletError, match="past the vocabulary"):
