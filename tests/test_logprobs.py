@@ -1,14 +1,13 @@
 """logprobs from the step or the verify that chose each token (sampling.logprobs = k): every emitted token's
 log-probability under the target and its k likeliest tokens there equal what one plain forward over the prompt and
-the reply gives at those positions -- for plain decoding and every head kind, running ahead, compiled, sampled and
-under a grammar -- and there is exactly one entry per kept token."""
+the reply gives at those positions -- for plain decoding and every head kind, running ahead, sampled and under
+a grammar (compiled: tests/test_sampling.py) -- and there is exactly one entry per kept token."""
 import pytest
 import torch
 
 from batch import generate_batch
-from decode import TreeConfig, generate, speculative_cycle
+from decode import TreeConfig, generate
 from sampling import SamplingConfig
-from graphs import compile_step
 from load import load_draft, load_target
 from tokenizer import Tokenizer
 from conftest import ROOT
@@ -85,18 +84,6 @@ def test_sampled_tokens_have_their_own_logprobs(demo):
     result = generate(target, tokenizer.encode(PROMPTS[1]), 20, SamplingConfig(0.9, top_k=20, logprobs=2),
                       tokenizer.eos_ids, draft=heads["head"], tree=TreeConfig(3, 4, 8))
     check_scores(target, result, 2)  # the target's own distribution, not the temperature's
-
-
-def test_compiled_cycle_gives_the_same_logprobs(demo):
-    target, tokenizer, heads = demo
-    target.set_feature_layers(heads["head"].feature_layers)
-    ids, sampling, tree = tokenizer.encode(PROMPTS[0]), SamplingConfig(logprobs=2), TreeConfig(3, 4, 8)
-    eager = generate(target, ids, 16, sampling, draft=heads["head"], tree=tree)
-    step = compile_step(speculative_cycle, "cpu")
-    compiled = generate(target, ids, 16, sampling, draft=heads["head"], tree=tree, step_fn=step)
-    assert compiled.tokens == eager.tokens
-    for (a, top_a), (b, top_b) in zip(compiled.logprobs, eager.logprobs):
-        assert a == pytest.approx(b, abs=1e-4) and [i for i, _ in top_a] == [i for i, _ in top_b]
 
 
 def test_scores_list_is_filled_before_on_tokens_sees_the_tokens(demo):
