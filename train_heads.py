@@ -102,7 +102,8 @@ def read_train_state(state_path: Path, target: Transformer, kind: str) -> dict:
         state = torch_load(state_path, mmap=False)  # training rewrites the file while the state is in use
     except EagletError as e:
         raise EagletError(f"cannot resume: {e} (--no_resume starts over)")
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "head" not in state:
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "head" not in state or \
+            not isinstance(state.setdefault("kind", {"head": "eagle"}), dict):  # states before kinds: EAGLE's
         raise EagletError(f"cannot resume from {state_path}: not a train_state.pt this tool wrote "
                           "(--no_resume starts over)")
     theirs, ours = state.get("target", target_shape(target)), target_shape(target)
@@ -110,17 +111,17 @@ def read_train_state(state_path: Path, target: Transformer, kind: str) -> dict:
     if differ:
         raise EagletError(f"{state_path} was written while training a head for another target ({', '.join(differ)}); "
                           "give another --out_dir, or --no_resume to start over")
-    if state.get("kind", {"head": "eagle"}).get("head") != kind:
-        raise EagletError(f"{state_path} was written while training another head (head "
-                          f"{state.get('kind', {}).get('head', 'eagle')} vs {kind}); give another --out_dir, or "
-                          "--no_resume to start over")
+    if state["kind"].get("head") != kind:
+        raise EagletError(f"{state_path} was written while training another head (head {state['kind'].get('head')} "
+                          f"vs {kind}); give another --out_dir, or --no_resume to start over")
     return state
 
 
 def resume_from(state_path: Path, head: DraftHead, optimizer, target: Transformer) -> int:
     """Load a train_state.pt written for this target; returns the step it reached."""
-    state, ours = read_train_state(state_path, target, head_settings(head)["head"]), head_settings(head)
-    theirs = state.get("kind", {"head": "eagle"})
+    ours = head_settings(head)
+    state = read_train_state(state_path, target, ours["head"])
+    theirs = state["kind"]
     differ = [k if k == "draft_vocab" else f"{k} {theirs.get(k)} vs {v}" for k, v in ours.items() if theirs.get(k) != v]
     if differ:
         raise EagletError(f"{state_path} was written while training another head ({', '.join(differ)} differ); "
