@@ -348,17 +348,23 @@ def without_inductor(monkeypatch):
     monkeypatch.setattr(torch, "compile", traced_compile())
 
 
-def check_compiled_cycle(model, draft, tree, n_tokens=30):
+def check_compiled_cycle(model, draft, tree, n_tokens=30, inductor=False):
     """The compiled speculative cycle decodes as eager (tokens and accepted lengths) over two prompts, in one
-    graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out)."""
+    graph; returns the accepted lengths seen (the last cycle of each run, cut by n_tokens, left out).
+    Traced (traced_compile) unless inductor: what each head kind's cycle asks of torch.compile is dynamo's and
+    AOTAutograd's (one graph, no break, the static caches written in place), and the target's part, common to
+    every head, is inductor's in test_compiled_kv.py's cycle, which passes inductor=True. Inductor building C++
+    for each head kind cost minutes on a machine with an empty cache."""
     import decode
     from decode import speculative_cycle
     from sampling import SamplingConfig
     from graphs import compile_step
     from torch._dynamo.utils import counters
+    from unittest import mock
     torch._dynamo.reset()
     counters.clear()
-    step = compile_step(speculative_cycle, "cpu")
+    with mock.patch.object(torch, "compile", torch.compile if inductor else traced_compile()):
+        step = compile_step(speculative_cycle, "cpu")
     greedy, lengths = SamplingConfig(), set()
     for prompt in ([1, 5, 9], [1, 7, 8, 9, 10, 11, 12]):
         eager = decode.generate(model, prompt, n_tokens, greedy, draft=draft, tree=tree)

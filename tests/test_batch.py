@@ -136,7 +136,7 @@ def test_too_few_cache_rows_are_named(demo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["plain", "eagle2"])
-def test_compiled_batch_equals_eager_in_one_graph(demo, head):
+def test_compiled_batch_equals_eager_in_one_graph(demo, head, without_inductor):
     from decode import decode_one_token, speculative_cycle
     from graphs import compile_step
     from torch._dynamo.utils import counters

@@ -133,7 +133,7 @@ def test_regex_and_lark_grammars(demo):
         assert out.startswith("    return [" if kind == "regex" else "    with open(") and out.endswith("\n")
 
 
-def test_compiled_cycle_and_running_ahead_keep_the_tokens(demo):
+def test_compiled_cycle_and_running_ahead_keep_the_tokens(demo, without_inductor):
     target, tokenizer, heads = demo
     grammar = grammar_of("json_schema", json.dumps(SCHEMAS[1]))
     target.set_feature_layers(heads["head"].feature_layers)

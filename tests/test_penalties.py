@@ -75,10 +75,11 @@ def test_greedy_under_penalties_equals_transformers_plain_and_speculative(target
 
 
 def test_penalties_compile_once_and_are_refused_where_not_built(target, tmp_path):
-    """The plain step and an EAGLE cycle compiled (inductor's code equal to the reference), one graph each for every
-    penalized setting."""
+    """The plain step and an EAGLE cycle compiled (the cycle by inductor, its code equal to the reference; the step,
+    whose penalties are the cycle's, traced: conftest.traced_compile), one graph each for every penalized setting."""
+    from unittest import mock
     from torch._dynamo.utils import counters
-    from conftest import head_config, random_head_weights, write_eagle_head
+    from conftest import head_config, random_head_weights, traced_compile, write_eagle_head
     from convert_hf_checkpoint import convert
     folder, hf, model = target
     write_eagle_head(tmp_path, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
@@ -86,7 +87,8 @@ def test_penalties_compile_once_and_are_refused_where_not_built(target, tmp_path
     head = load_draft(tmp_path / "draft.pth", model)
     torch._dynamo.reset()
     counters.clear()
-    step = compile_step(__import__("decode").decode_one_token, "cpu")
+    with mock.patch.object(torch, "compile", traced_compile()):
+        step = compile_step(__import__("decode").decode_one_token, "cpu")
     cycle = compile_step(__import__("decode").speculative_cycle, "cpu")
     for s in PENALTIES[:3]:  # values are tensor inputs: one graph for every penalized setting, the step's and the cycle's
         want = penalized_reference(hf, PROMPT, 12, s)

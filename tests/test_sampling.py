@@ -213,12 +213,17 @@ def test_every_sampling_setting_runs_the_compiled_step_and_cycle_without_compili
     """Temperature, top_p, top_k, min_p and logprobs' k are tensor inputs of the compiled step and cycle: after warming up
     their graphs (greedy or sampled, logprobs or not: four each), a dozen requests with settings of their own compile
     nothing and are all answered (greedy ones as eager decoding answers them); a new setting's draws follow the
-    target's law (chi-square)."""
+    target's law (chi-square). The cycle is inductor's (its sampled verify and its draws, inductor's own random
+    numbers); the plain step, whose sampling is the cycle's, is traced (conftest.traced_compile)."""
     from torch._dynamo.utils import counters
+    from unittest import mock
+    from conftest import traced_compile
     target_dir, model, draft = pair
     torch._dynamo.reset()
     counters.clear()  # graphs other tests compiled in this process before
-    steps = {"plain": ({}, graphs.compile_step(decode.decode_one_token, "cpu")),
+    with mock.patch.object(torch, "compile", traced_compile()):
+        plain_step = graphs.compile_step(decode.decode_one_token, "cpu")
+    steps = {"plain": ({}, plain_step),
              "EAGLE-2": ({"draft": draft, "tree": TREE}, graphs.compile_step(decode.speculative_cycle, "cpu"))}
     for kwargs, step in steps.values():
         for warm in (SamplingConfig(), SamplingConfig(1.0), SamplingConfig(logprobs=0), SamplingConfig(1.0, logprobs=0)):

@@ -79,7 +79,7 @@ def test_a_dflash_block_drafts_each_node_from_its_levels_position(demo):
 
 
 @pytest.mark.slow
-def test_compiled_and_batched_static_cycles_equal_plain(demo):
+def test_compiled_and_batched_static_cycles_equal_plain(demo, without_inductor):
     target, prompts, plain = demo
     draft = load_draft(DEMO / "head" / "draft.pth", target)
     tree = StaticTree(CHOICES)

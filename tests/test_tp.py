@@ -203,12 +203,28 @@ def test_int4_slices_must_hold_whole_groups():
         tp.check_shardable(args, 2, {"mode": "int4", "groupsize": 64})
 
 
+# generate.py with torch.compile traced (conftest.traced_compile): dynamo must take the all-reduces into the one
+# graph (fullgraph); inductor building each rank's C++ at once cost a minute with an empty cache, for kernels
+# that test_compiled_kv.py's inductor cycle builds without the collectives
+TRACED_GENERATE = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from conftest import traced_compile
+torch.compile = traced_compile()
+import generate
+generate.main()
+"""
+
+
 @pytest.mark.slow
 def test_compiled_cycle_under_torchrun_equals_one_process(tmp_path):
     """The whole cycle as one compiled graph per rank, its all-reduces inside it (fullgraph)."""
     import generate
+    launcher = tmp_path / "traced_generate.py"
+    launcher.write_text(TRACED_GENERATE.format(tests=str(ROOT / "tests")))
     argv = ["--max_new_tokens", "20", "--step_aside", "off", "--json_out"]  # cycles alone, as sharded
-    run = torchrun(2, ["generate.py", "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=HANG_S)
+    run = torchrun(2, [str(launcher), "--compile"] + argv + [str(tmp_path / "tp.json")], timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     generate.main(argv + [str(tmp_path / "one.json")])
     sharded, alone = read_generation(tmp_path / "tp.json"), read_generation(tmp_path / "one.json")
