@@ -332,11 +332,13 @@ def make_agreeing_eagle3_pair(root: Path, vocab=48, hidden=64, n_layers=8, missi
 
 def traced_compile(compile_=torch.compile):
     """torch.compile with the AOTAutograd tracer for a backend instead of inductor: dynamo traces as it does for
-    inductor (fullgraph, guards, what recompiles), the graph runs as eager code. For the GPU scripts' CPU dry runs
-    and the compiled server, whose checks are of their plumbing and their graph counts: on a GPU inductor writes
-    Triton, not the C++ it writes on a CPU, and a CPU with an empty inductor cache spends minutes compiling that C++
-    (the whole suite took 22 minutes on two cores so, against 12 with a filled cache). Inductor's CPU code is held to
-    eager code by the compiled-cycle tests (check_compiled_cycle and the others that compile)."""
+    inductor (fullgraph, guards, what recompiles), AOTAutograd functionalizes the graph and runs it as eager code.
+    For the compiled tests whose checks are dynamo's (one graph, no recompile) and their plumbing's: each head kind's
+    cycle, batches, the GPU scripts' CPU dry runs, the compiled server. On a GPU inductor writes Triton, not the C++
+    it writes on a CPU, and a CPU with an empty inductor cache spent minutes building that C++ (the whole suite took
+    22 minutes on two cores so, against 13 now). Inductor's CPU code is held to eager code where inductor is what a
+    test shows: test_compiled_kv.py (the kernels' sizes; the EAGLE-2 cycle), sampling's, penalties' and lookup's
+    cycles, flex attention, the quantized Linears."""
     def traced(model=None, **kwargs):
         kwargs.pop("mode", None)  # CUDA graphs: a GPU's
         return compile_(model, **{**kwargs, "backend": "aot_eager"})
