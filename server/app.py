@@ -44,15 +44,15 @@ class Server:
             app.add_api_route(path, route, methods=["GET", "HEAD"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.middleware("http")(self.guard)
+        app.add_middleware(Guarded, check=self.guard)
         if allowed_origins:  # added last, so outermost: a preflight is answered before the key is asked for
             app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                                allow_headers=["*"], max_age=600)
         app.exception_handler(404)(lambda r, e: ApiError(404, f"no such path: {r.url.path}").response())
         app.exception_handler(405)(lambda r, e: ApiError(405, f"{r.method} is not allowed on {r.url.path}").response())
 
-    async def guard(self, request: Request, call_next):
-        """The API key (compared in constant time) and the body's size, before any route runs."""
+    def guard(self, request: Request) -> Optional[JSONResponse]:
+        """The refusal of a wrong API key (compared in constant time) or a body too large, before any route runs."""
         if self.api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
@@ -60,7 +60,7 @@ class Server:
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
             return ApiError(413, f"the request body is over {MAX_BODY} bytes").response()
-        return await call_next(request)
+        return None
 
     async def page(self):
         return FileResponse(PAGE, media_type="text/html")
@@ -176,6 +176,19 @@ class Server:
             job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
 
 
+class Guarded:
+    """An ASGI app behind a check that may answer a request first (Server.guard). Plain ASGI rather than
+    @app.middleware("http"): starlette's BaseHTTPMiddleware hands the route a request whose is_disconnected()
+    never sees its client leave, so a whole reply's generation ran on for nobody while the queue waited."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        refusal = self.check(Request(scope)) if scope["type"] == "http" else None
+        await (refusal or self.app)(scope, receive, send)
+
+
 def log_request(route: str, status: int, done: Optional[dict] = None, seconds: float = 0.0, why: Optional[str] = None,
                 streamed: bool = False):
     """One line a request: its route and status, then its tokens, tau and seconds (a reply), or why it was refused."""
@@ -192,19 +205,26 @@ def log_request(route: str, status: int, done: Optional[dict] = None, seconds: f
     print(line, flush=True)
 
 
+DISCONNECT_CHECK_S = 0.25
+
+
 async def events(jobs: list, request: Optional[Request] = None):
     """The jobs' events, (choice index, kind, value), until each is done; with request, stop early when its
-    client disconnects."""
-    left = len(jobs)
+    client disconnects, asked every DISCONNECT_CHECK_S whether events come or not (a cycle's event comes more
+    often than that: asked only when none came, a client that left was never noticed)."""
+    left, asked = len(jobs), time.monotonic()
     while left:
         try:
-            index, kind, value = await asyncio.wait_for(jobs[0].events.get(), timeout=0.25)
+            event = await asyncio.wait_for(jobs[0].events.get(), timeout=DISCONNECT_CHECK_S)
         except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
+            event = None
+        if request is not None and time.monotonic() - asked >= DISCONNECT_CHECK_S:
+            if await request.is_disconnected():
                 return
-            continue
-        yield index, kind, value
-        left -= kind in ("done", "error")
+            asked = time.monotonic()
+        if event is not None:
+            yield event
+            left -= event[1] in ("done", "error")
 
 
 class DrainingUvicorn(uvicorn.Server):

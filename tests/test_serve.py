@@ -288,6 +288,30 @@ def test_a_client_that_leaves_stops_its_generation(server, client, reference):
     assert client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
 
 
+def outcomes(server) -> dict:
+    """/metrics' requests by outcome (ok, aborted, error)."""
+    found = re.findall(r'eaglet_requests_total\{outcome="(\w+)"\} (\d+)', httpx.get(server + "/metrics").text)
+    return {outcome: int(n) for outcome, n in found}
+
+
+def test_a_client_that_leaves_a_whole_reply_stops_its_generation(server, client, reference):
+    """Not streamed: a client that sends its request and leaves stops the generation (the server asks whether it is
+    still there while the cycles' events come; it once asked only when none came, so a long reply ran to its end
+    for nobody while the queue waited)."""
+    before = outcomes(server)
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True}).encode()
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: eaglet\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    ended = lambda: sum(outcomes(server).values()) > sum(before.values())  # noqa: E731
+    until(ended, "the request left by its client ended")
+    after = outcomes(server)
+    assert after.get("aborted", 0) == before.get("aborted", 0) + 1 and after.get("ok", 0) == before.get("ok", 0), (before, after)
+    text, _ = reference(reference.tokenizer.encode(PROMPTS[1]), 16)
+    assert client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text == text
+
+
 def three_turns(client, reuse: bool) -> tuple:
     """A three-turn chat (greedy, 20 tokens a reply): the replies and each turn's cached_tokens."""
     messages, replies, cached = [{"role": "system", "content": "Python only."}], [], []
