@@ -19,7 +19,9 @@ LLAMA2_CHAT_TEMPLATE = (
     "{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
     "{% for m in msgs %}{% if m['role'] == 'user' %}"
     "{{ bos_token + '[INST] ' + (sys if loop.first else '') + m['content'].strip() + ' [/INST]' }}"
-    "{% else %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}"
+    "{% else %}{{ raise_exception('the llama2 template takes a system message first, then user and assistant turns; '"
+    " + 'not a ' + m['role'] + ' message there') }}{% endif %}{% endfor %}")
 VICUNA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}"
     "{% else %}A chat between a curious user and an artificial intelligence assistant. The assistant gives "

@@ -112,8 +112,9 @@ class Requests:
             return tools, call_format(self.engine.tokenizer), calls
         except EagletError as e:
             if calls is None:  # auto: the model decides to call, and it cannot without seeing the tools
-                raise ApiError(400, f"{e}; tool_choice auto needs a template that shows the model its tools "
-                                    "(required or a named function needs none)", "tools", "tools_unsupported")
+                raise ApiError(400, f"{e}; tool_choice auto (the default with tools) needs a template that shows "
+                                    "the model its tools: required or a named function forces a call without one, "
+                                    "none answers a call's results in text", "tools", "tools_unsupported")
         # a forced call is the grammar's, whatever the template renders: Hermes' <tool_call> block; a template that
         # takes tools in a format eaglet cannot read still shows them
         return (tools if self.engine.tokenizer.takes_tools() else None), "hermes", calls
@@ -135,7 +136,11 @@ class Requests:
             if self.reasoning_parser == "auto" and template_thinks(self.template):
                 before = tokenizer.render_chat(messages, tools, add_generation_prompt=False)
                 opening = text[len(before):] if text.startswith(before) else text
-            return tokenizer.encode_with_specials(text), opening
+            prompt = tokenizer.encode_with_specials(text)
+            if not prompt:  # Llama 2's format, for one, writes nothing for a system message alone
+                raise EagletError("the chat template renders these messages as an empty prompt (is a user message "
+                                  "missing?)")
+            return prompt, opening
         except EagletError as e:  # the template refused: the conversation, or the variables this request gave it
             raise ApiError(400, str(e), self.blamed(messages, tools, kwargs, hints))
 

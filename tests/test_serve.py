@@ -181,6 +181,11 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      400, "functions", "cannot honour"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}, 400, "messages", "empty prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "x"}]}, 400, "messages", "empty prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"},
+                                           {"role": "system", "content": "z"}]}, 400, "messages",
+     "not a system message there"),  # LLaMA-2's format has no place for it
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type":
         "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "call_2",
         "content": "x"}]}, 400, "messages", "answers no call"),
@@ -203,7 +208,7 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "regex": "a", "grammar": "start: x"}, 400, "grammar", "not several"),
     ("/v1/nowhere", {}, 404, None, "no such path"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool_choice auto needs a template"),
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "none answers a call's results in text"),
     ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True}, 400, "use_beam_search", "cannot honour"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": 1}, 400, "use_beam_search", "cannot honour"),  # 1 == True
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", "between 0.01 and 100"),
