@@ -466,7 +466,7 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
     allowed, the one plain decoding emits); the next segment's prefill writes them into the cache in one forward.
     forced_min 0: never; nor with logprobs (a forced token has no logits of its own)."""
     prompt_tokens, tokens, accept_lengths, logprobs = one_prompt(prompt_tokens), [], [], []
-    t0, first_token_seconds = time.perf_counter(), None
+    t0, first_token_seconds, plain_tokens = time.perf_counter(), None, 0
     prompt_k, prompt_rows = kwargs.pop("prompt_logprobs", None), []  # the first segment's prefill scores the prompt
     fast_forward = constraint.forced_min > 0 and sampling.logprobs < 0
     while True:
@@ -496,7 +496,8 @@ def generate_constrained(model: Transformer, prompt_tokens: list, max_new_tokens
         tokens += segment.tokens + run
         accept_lengths += segment.accept_lengths
         logprobs += segment.logprobs
+        plain_tokens += segment.plain_tokens
         if not (ends["cut"] or run) or ends["stopped"] or len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             return GenerationResult(prompt_tokens, tokens, time.perf_counter() - t0, accept_lengths, first_token_seconds,
-                                    logprobs, len(run) + 1 if segment.tokens else len(run), prompt_logprobs=prompt_rows)
+                                    logprobs, len(run) + 1 if segment.tokens else len(run), plain_tokens, prompt_rows)
         start_pos = len(context) + len(segment.tokens) - 1

@@ -121,6 +121,22 @@ def test_every_head_kind_keeps_constrained_plain_tokens(demo, head, tree):
     assert spec.tokens == plain.tokens and json.loads(tokenizer.decode(spec.tokens))["name"] is not None
 
 
+def test_a_constrained_reply_counts_the_plain_steps_of_every_segment(demo):
+    """Stepped aside under a grammar: the reply's plain_tokens are every segment's (what the step-aside gate did),
+    so that tokens = cycles' + plain steps' + one pick a segment + the forced runs; they read 0 once."""
+    from step_aside import StepAside
+    target, tokenizer, heads = demo
+    grammar = grammar_of("regex", r"[^\n]{10,200}\n(    [^\n]{5,200}\n){1,6}")  # free enough for cycles to run
+    now, gate = [0.0], StepAside(retry_after=6, trial_cycles=2, probe_steps=3, share=math.inf)
+    gate.clock = lambda: now.__setitem__(0, now[0] + (30.0 if gate.speculating else 1.0)) or now[0]  # cycles never pay
+    plain, _ = run(target, tokenizer, PROMPTS[0], grammar, n=96)
+    spec, _ = run(target, tokenizer, PROMPTS[0], grammar, head=heads["head"], tree=TreeConfig(6, 10, 60), n=96,
+                  step_aside=gate)
+    assert spec.tokens == plain.tokens
+    assert spec.plain_tokens == gate.plain_tokens > 0 and spec.accept_lengths  # both ways ran
+    assert sum(spec.accept_lengths) + spec.plain_tokens < len(spec.tokens)  # the rest: picks and forced runs
+
+
 def test_regex_and_lark_grammars(demo):
     target, tokenizer, heads = demo
     for kind, text, check in [("regex", r"    return \[[a-z_]+( [a-z_]+)*\]\n", r"    return \[[a-z_]+( [a-z_]+)*\]\n"),
