@@ -99,13 +99,14 @@ def check_tune_fits(trees: list, prompts: list, new_tokens: int, cache_slots: in
     """Refuse, before anything is measured, a tree the tuning cannot run: one whose scratch, after the longest
     calibration prompt and its new tokens, overflows the KV cache, or whose top-k exceeds the draft's vocabulary."""
     longest = max(len(p) for p in prompts)
+    widest = max(trees, key=lambda tree: tree.scratch)  # named alone, so that one --max_seq_length fits them all
+    need = longest + new_tokens + widest.scratch
+    if need > cache_slots:
+        raise EagletError(f"--tree auto: the tree {tree_name(widest)} needs {widest.scratch} scratch slots; with "
+                          f"the longest calibration prompt ({longest} tokens) and its {new_tokens} new tokens "
+                          f"that is {need}, over the KV cache ({cache_slots} slots; --max_seq_length {need} or more "
+                          "makes room for every tree tried)")
     for tree in trees:
-        need = longest + new_tokens + tree.scratch
-        if need > cache_slots:
-            raise EagletError(f"--tree auto: the tree {tree_name(tree)} needs {tree.scratch} scratch slots; with "
-                              f"the longest calibration prompt ({longest} tokens) and its {new_tokens} new tokens "
-                              f"that is {need}, over the KV cache ({cache_slots} slots; a larger --max_seq_length "
-                              "makes room)")
         if tree.topk > draft_vocab:
             raise EagletError(f"--tree auto: the tree {tree_name(tree)} has tree_topk {tree.topk}, over the draft's "
                               f"vocabulary ({draft_vocab})")

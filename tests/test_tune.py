@@ -237,7 +237,20 @@ def test_cli_refuses_what_tree_auto_cannot_do():
     expect_error(["--tree", "auto", "--max_new_tokens", "4", "--max_seq_length", "100"],
                  "scratch slots; with the longest calibration prompt")
     expect_error(["--tree", "auto", "--max_new_tokens", "4", "--max_seq_length", "100"],
-                 "over the KV cache (100 slots; a larger --max_seq_length makes room)")
+                 "over the KV cache (100 slots; --max_seq_length ")
+
+
+def test_a_cache_too_small_for_the_tuning_is_told_the_size_that_fits_every_tree():
+    """One error, not one a tree: the size it names runs the whole grid, a slot less does not."""
+    from model import EagletError
+    trees, prompts = [decode.TreeConfig(*point) for point in tune.TREE_GRID], [[1] * 17, [1] * 40]
+    with pytest.raises(EagletError, match=r"--max_seq_length (\d+) or more") as e:
+        tune.check_tune_fits(trees, prompts, 64, 100, 1000)
+    need = int(e.value.args[0].split("--max_seq_length ")[1].split()[0])
+    assert need == 40 + 64 + max(tree.scratch for tree in trees)
+    tune.check_tune_fits(trees, prompts, 64, need, 1000)
+    with pytest.raises(EagletError, match=f"that is {need}, over the KV cache \\({need - 1} slots"):
+        tune.check_tune_fits(trees, prompts, 64, need - 1, 1000)
 
 
 def test_cli_tree_auto_end_to_end_equals_plain_decoding(tmp_path, monkeypatch, capsys):
