@@ -249,3 +249,8 @@ def run_interactive(args, gen: Callable, tokenizer: Tokenizer, cache_slots: int,
         cached = prompt + result.tokens[:len(result.tokens) - result.uncached]
         messages.append({"role": "assistant", "content": streamer.text if args.stop else
                          tokenizer.decode(result.tokens)})
+
+
+if __name__ == "__main__":
+    raise SystemExit("error: chat.py is a part of generate.py, not a command: "
+                     "`python generate.py --interactive` chats")

@@ -590,3 +590,8 @@ def convert_gguf_file(path: Path, out_dir, overwrite: bool, log=print, keep_4bit
     except OSError as e:
         raise EagletError(f"cannot write in {out_dir}: {e.strerror or e} (give --out_dir to write elsewhere)")
     return out_path
+
+
+if __name__ == "__main__":
+    raise SystemExit("error: convert_gguf.py is a part of convert_hf_checkpoint.py, not a command: "
+                     "`python convert_hf_checkpoint.py --checkpoint_dir FILE.gguf` converts a GGUF file")

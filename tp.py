@@ -250,3 +250,8 @@ def collectives(fn: Callable) -> int:
     with CollectiveCounter() as counter:
         fn()
     return counter.count
+
+
+if __name__ == "__main__":
+    raise SystemExit("error: tp.py is a part of generate.py, not a command: "
+                     "`torchrun --standalone --nproc_per_node=N generate.py ...` shards a target over N processes")

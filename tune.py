@@ -301,3 +301,8 @@ def auto_tree(args, model: Transformer, draft: DraftHead, encode: Callable, grou
         model.setup_caches(rows, model.max_seq_length)
         draft.setup_caches(model.max_seq_length, rows)
     return tree
+
+
+if __name__ == "__main__":
+    raise SystemExit("error: tune.py is a part of generate.py, not a command: "
+                     "`python generate.py --tree auto` tunes the draft tree")

@@ -246,6 +246,18 @@ def test_real_process_prints_one_line_and_fails(tool, argv):
     assert proc.returncode == 1 and proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("module, command", [("tune.py", "generate.py --tree auto"),
+                                             ("chat.py", "generate.py --interactive"),
+                                             ("convert_gguf.py", "convert_hf_checkpoint.py --checkpoint_dir FILE.gguf"),
+                                             ("tp.py", "torchrun --standalone --nproc_per_node=N generate.py")])
+def test_a_module_run_as_a_command_names_the_command_that_runs_it(module, command):
+    """python tune.py (or chat.py, convert_gguf.py, tp.py) once printed nothing and exited 0, whatever its flags."""
+    import runpy
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / module), run_name="__main__")
+    assert e.value.code.startswith(f"error: {module} is a part of") and command in e.value.code
+
+
 def test_outputs_are_not_clobbered(w):
     before = {f.name: f.read_bytes() for f in w.good.parent.iterdir() if f.is_file()}
     with pytest.raises(SystemExit):
