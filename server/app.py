@@ -42,6 +42,7 @@ class Server:
         for path, route in (("/", self.page), ("/health", self.health), ("/metrics", self.metrics),
                             ("/v1/models", self.models)):  # HEAD too: monitors and load testers probe with it
             app.add_api_route(path, route, methods=["GET", "HEAD"])
+        app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET", "HEAD"])  # a name may hold slashes
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_middleware(Guarded, check=self.guard)
@@ -72,8 +73,13 @@ class Server:
         return PlainTextResponse(self.engine.metrics.text(self.engine.queue_depth()))
 
     async def models(self):
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "eaglet", "created": 0}
-                                           for name in self.model_ids]}
+        return {"object": "list", "data": [model_object(name) for name in self.model_ids]}
+
+    async def model(self, name: str):
+        if name not in self.model_ids:
+            return ApiError(404, f"the model {json.dumps(name)[:80]} does not exist here; this server has "
+                                 f"{', '.join(self.model_ids)}", "model", "model_not_found").response()
+        return model_object(name)
 
     async def chat_completions(self, request: Request):
         return await self.complete(request, chat=True)
@@ -150,7 +156,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             self.release(jobs)
-            log_request(route, 200, finished, time.perf_counter() - t0, failed, streamed=True)
+            log_request(route, 200, finished, time.perf_counter() - t0, failed, streamed=True, jobs=jobs)
 
     async def whole(self, request: Request, jobs: list, head: dict, chat: bool, t0: float):
         """The whole reply as one JSON object; a client that goes away while it waits cancels the jobs."""
@@ -160,20 +166,25 @@ class Server:
                 if kind == "done" and value is not None:
                     done[index] = value
                 elif kind == "error":
-                    log_request(route, 500, done, time.perf_counter() - t0, value)
+                    log_request(route, 500, done, time.perf_counter() - t0, value, jobs=jobs)
                     return ApiError(500, f"generation failed: {value}").response()
         finally:
             self.release(jobs)
         if len(done) < len(jobs):
-            log_request(route, 499, done, time.perf_counter() - t0, "the client went away")
+            log_request(route, 499, done, time.perf_counter() - t0, "the client went away",
+                        jobs=jobs)
             return ApiError(499, "the client went away").response()
-        log_request(route, 200, done, time.perf_counter() - t0)
+        log_request(route, 200, done, time.perf_counter() - t0, jobs=jobs)
         return whole_reply(jobs, done, head, chat)
 
     def release(self, jobs: list):
         self.live.difference_update(jobs)
         for job in jobs:
             job.cancelled.set()  # no-op when it ended; else the engine stops at the end of the cycle
+
+
+def model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "owned_by": "eaglet", "created": 0}
 
 
 class Guarded:
@@ -190,12 +201,14 @@ class Guarded:
 
 
 def log_request(route: str, status: int, done: Optional[dict] = None, seconds: float = 0.0, why: Optional[str] = None,
-                streamed: bool = False):
-    """One line a request: its route and status, then its tokens, tau and seconds (a reply), or why it was refused."""
+                streamed: bool = False, jobs: tuple = ()):
+    """One line a request: its route and status, then its tokens (the prompt's as usage counts them: each distinct
+    prompt of the jobs once, not once a choice), tau and seconds (a reply), or why it was refused."""
     line = f"request: POST {route} {status}"
     if done:
         records = list(done.values())
-        prompt, completion = (sum(r[name] for r in records) for name in ("prompt_tokens", "completion_tokens"))
+        prompt = sum(len(p) for p in {id(job.prompt): job.prompt for job in jobs}.values())
+        completion = sum(r["completion_tokens"] for r in records)
         cycles = sum(r["eaglet"]["cycles"] for r in records)
         emitted = sum(r["eaglet"]["tau"] * r["eaglet"]["cycles"] for r in records if r["eaglet"]["tau"])
         line += f", {len(records)} choice{'s' * (len(records) > 1)}, prompt {prompt} tokens, completion {completion}" + \

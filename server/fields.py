@@ -13,7 +13,7 @@ from sampling import MAX_TOP_LOGPROBS, SamplingConfig
 MAX_CHOICES = 16  # prompts x n of one request
 # Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
 # with the value that asks for nothing (None: no value does): any other value is a 400 naming the field.
-REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": None, "audio": None, "modalities": ["text"],
+REFUSED = {"functions": None, "function_call": None, "best_of": 1, "suffix": "", "audio": None, "modalities": ["text"],
            "web_search_options": None, "use_beam_search": False, "length_penalty": 1, "early_stopping": False,
            "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True, "bad_words": [], "allowed_token_ids": None,
@@ -180,6 +180,8 @@ def model_of(body: dict, model_ids: list):
     """The request's model: one of the names this server answers to, or absent (the page's requests, and lenient
     clients)."""
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string, the name of a model (GET /v1/models lists them)", "model")
     if model is not None and model not in model_ids:
         raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist here; this server has "
                             f"{', '.join(model_ids)}", "model", "model_not_found")
@@ -210,7 +212,11 @@ def max_tokens_of(body: dict, echo: bool = False) -> tuple:
     """(the field that limits the reply, its value or None): max_completion_tokens where given, else max_tokens; 0
     only with echo (the prompt scored, no reply: lm-evaluation-harness's loglikelihood)."""
     limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return limit, number(body, limit, None, 0 if echo else 1, 1 << 31, integer=True)
+    value = number(body, limit, None, 0 if echo else 1, 1 << 31, integer=True)
+    if limit == "max_completion_tokens" and body.get("max_tokens") not in (None, value):
+        raise ApiError(400, "max_tokens and max_completion_tokens differ: give one of them (max_completion_tokens "
+                            "is OpenAI's newer name)", "max_tokens")
+    return limit, value
 
 
 def echo_of(body: dict, chat: bool) -> tuple:
@@ -227,9 +233,14 @@ def echo_of(body: dict, chat: bool) -> tuple:
     return echo is True, k
 
 
-def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, scratch: int, slots: int):
+def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, scratch: int, slots: int,
+              prompt_field: str = "prompt"):
     """A prompt and the reply's limit fit the cache: room, what the cache's slots leave past the prompt and the draft
-    tree's scratch."""
+    tree's scratch. Without a limit sent, the prompt is what does not fit: its field is named."""
+    if max_tokens is None and room < 1:
+        raise ApiError(400, f"the {prompt_field} ({len(prompt)} tokens) leaves no room for a reply: with one token "
+                            f"and the draft tree's scratch ({scratch}) it needs {len(prompt) + 1 + scratch} slots; the "
+                            f"cache holds {slots}", prompt_field, "context_length_exceeded")
     if room < 1 or (max_tokens or 1) > room:
         raise ApiError(400, f"the prompt ({len(prompt)} tokens) and {limit} ({max_tokens or 1}) need "
                             f"{len(prompt) + (max_tokens or 1) + scratch} slots with the draft tree's "

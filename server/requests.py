@@ -59,7 +59,7 @@ class Requests:
         limit, max_tokens = max_tokens_of(body, echo)
         for prompt in prompts:
             fits_room(prompt, limit, max_tokens, self.engine.room(prompt), self.engine.scratch,
-                      self.engine.model.max_seq_length)
+                      self.engine.model.max_seq_length, "messages" if chat else "prompt")
         stream, *usage_in_stream = stream_of(body)
         reuse, events = body.get("cache_prompt", True) is not False, asyncio.Queue()
         fits_queue(len(prompts) * n, self.engine.max_queue)

@@ -133,6 +133,12 @@ def test_models_health_metrics(server, client):
     with pytest.raises(openai.NotFoundError) as e:  # OpenAI answers 404 for a model it does not have
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    assert client.models.retrieve("target/model.pth").id == "target/model.pth"  # a name with a slash in it
+    assert httpx.get(server + "/v1/models/eaglet").json() == {"id": "eaglet", "object": "model", "owned_by": "eaglet",
+                                                               "created": 0}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server + "/metrics").text
     assert 'eaglet_requests_total{outcome="ok"}' in metrics and "eaglet_mean_tau " in metrics
@@ -153,7 +159,7 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "between"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "the cache holds"),
-    ("/v1/completions", {"prompt": "x " * 5000}, 400, "max_tokens", "the cache holds"),
+    ("/v1/completions", {"prompt": "x " * 5000}, 400, "prompt", "leaves no room for a reply"),  # no max_tokens sent
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "between"),
     ("/v1/completions", {"prompt": ["x"] * 5, "n": 4}, 400, "n", "at most 16"),
     ("/v1/completions", {"prompt": "x", "n": 4}, 400, "n", "never fit the queue of 3"),  # the fixture's --max_queue
@@ -161,6 +167,12 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": ["x", 3]}, 400, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "x", "model": 123}, 400, "model", "must be a string"),
+    ("/v1/completions", {"prompt": "x", "suffix": "\n}"}, 400, "suffix", "cannot honour"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                              "max_completion_tokens": 5}, 400, "max_tokens", "differ"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 5000}]}, 400, "messages",
+     "leaves no room for a reply"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", "integer"),  # True == 1
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
@@ -476,7 +488,7 @@ def test_allowed_origins_limits_cross_origin_pages():
         proc.wait(timeout=HANG_S)
 
 
-def test_prompt_lists_and_n_choices(client, reference):
+def test_prompt_lists_and_n_choices(server, client, reference):
     """A completion's prompt as a list of strings, as token ids, or a list of token-id lists: one choice each, in
     order, each generate()'s own reply; n > 1 greedy gives n equal choices, sampled n seeded draws (seed + i each:
     the same as n requests seeded so), streamed with their index."""
@@ -493,6 +505,9 @@ def test_prompt_lists_and_n_choices(client, reference):
     assert by_text.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
     greedy = client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=0, n=3)
     assert [c.text for c in greedy.choices] == [expected[0]] * 3 and greedy.usage.completion_tokens == 48
+    logged = lambda: [line for line in LOGS[server] if ", 3 choices, " in line]  # noqa: E731
+    until(logged, "the server's line for the request of 3 choices")
+    assert f"prompt {greedy.usage.prompt_tokens} tokens, completion 48" in logged()[-1]  # the prompt once, as usage
     sampled = client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=1, n=3, seed=7)
     alone = [client.completions.create(model="eaglet", prompt=prompts[0], max_tokens=16, temperature=1, seed=7 + i)
              .choices[0].text for i in range(3)]
@@ -651,7 +666,7 @@ def test_fields_that_change_the_reply_are_honoured_or_refused_and_unknown_ones_l
     assert reply.choices[0].message.content in choices
     for _ in range(2):
         reply = client.completions.create(model="eaglet", prompt="x", max_tokens=2, temperature=0, presence_penalty=0.0,
-                                          frequency_penalty=0, extra_body={"use_beam_search": False, "min_p": 0.0,
+                                          frequency_penalty=0, suffix="", extra_body={"use_beam_search": False, "min_p": 0.0,
                                                                            "eaglet_unknown_field": 1, "user": "u"})
         assert reply.usage.completion_tokens == 2
     until(lambda: any("eaglet_unknown_field" in line for line in LOGS[server]), "the server's warning line")
