@@ -50,12 +50,16 @@ class StreamReply:
                      if at is not None}
         text = self.content(index, text)
         if text or reasoning or logprobs:
-            prompt = len(self.jobs[index].prompt)  # stream_options.continuous_usage_stats, as vLLM sends it
-            so_far = {"usage": {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count}} \
-                if self.usage_each_chunk else {}
-            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where} | so_far,
+            return [self.chunk(index, text, extra={"eaglet": {"start": start} | marks | where} | self.so_far(index, count),
                                logprobs=logprobs, reasoning=reasoning)]
         return []
+
+    def so_far(self, index: int, count: int) -> dict:
+        """stream_options.continuous_usage_stats, as vLLM sends it: each chunk's choice's usage so far."""
+        if not self.usage_each_chunk:
+            return {}
+        prompt = len(self.jobs[index].prompt)
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count}}
 
     def content(self, index: int, text: str) -> str:
         """What of a reply's new content may be sent now: all of it, or with tools what cannot be part of a call."""
@@ -82,7 +86,8 @@ class StreamReply:
             if calls:
                 finish = "tool_calls"
                 out.append(self.chunk(index, None, calls=calls))
-        return out + [self.chunk(index, None if self.chat else "", finish, {"eaglet": value["eaglet"]})]
+        return out + [self.chunk(index, None if self.chat else "", finish,
+                                 {"eaglet": value["eaglet"]} | self.so_far(index, value["completion_tokens"]))]
 
     def usage(self, finished: dict) -> str:
         return f"data: {json.dumps({**self.head, 'choices': [], 'usage': usage(self.jobs, finished)})}\n\n"

@@ -819,6 +819,8 @@ def test_what_evaluation_and_load_clients_read(server, client, reference):
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 30
+    (last,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]  # the finish_reason's chunk has it too
+    assert last.usage.completion_tokens == 30 and last.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
     prompt = reference.tokenizer.encode(PROMPTS[1])
     fixed = client.completions.create(model="eaglet", prompt=PROMPTS[1], max_tokens=60, temperature=0,
                                       extra_body={"ignore_eos": True})
