@@ -55,10 +55,14 @@ def check_config_values(config: dict):
         value = config.get(key)
         if (key in REQUIRED_SIZES or value is not None) and (type(value) is not int or value < 1):
             raise EagletError(f"config {key} must be a positive integer, got {value!r}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers >= 5 keeps rope_theta in it
-    if not isinstance(rope, dict):
-        raise EagletError(f"config rope_parameters / rope_scaling must be a JSON object, got {rope!r}")
-    check_rope_scaling(rope, "rope_parameters" if config.get("rope_parameters") else "rope_scaling")
+    rope, name = rope_settings(config)
+    check_rope_scaling(rope, name)
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):  # swish: silu's other name
+        raise EagletError(f"config hidden_act {config['hidden_act']!r} is not supported: the MLP is SwiGLU, silu "
+                          "(LLaMA, Mistral, Qwen)")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        if config.get(key) is not None and type(config[key]) is not bool:
+            raise EagletError(f"config {key} must be true or false, got {config[key]!r}")
     values = {"rms_norm_eps": config.get("rms_norm_eps", 1.0),
               "rope_theta": config["rope_theta"] if "rope_theta" in config else rope.get("rope_theta", 1.0)}
     for key, value in values.items():
@@ -68,6 +72,28 @@ def check_config_values(config: dict):
     if heads % kv_heads or (not config.get("head_dim") and config["hidden_size"] % heads):
         raise EagletError(f"config: num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}, "
                           f"and hidden_size {config['hidden_size']} of num_attention_heads (unless head_dim is set)")
+
+
+def rope_settings(config: dict) -> tuple:
+    """(RoPE's settings, the key they are named by): transformers >= 5 writes rope_parameters (rope_theta inside);
+    published checkpoints, and a user turning YaRN on as Qwen's cards say, write rope_scaling. Where a config has
+    both, transformers reads rope_scaling alone (rope_theta from the config's top level, else 10000): both are
+    taken only where that reading is rope_parameters' own, else refused (a model that is neither one)."""
+    params, scaling = config.get("rope_parameters"), config.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise EagletError(f"config {key} must be a JSON object, got {value!r}")
+    if not (params and scaling):
+        return (params, "rope_parameters") if params else (scaling or {}, "rope_scaling")
+    theta = config.get("rope_theta", 10000.0)
+    read = lambda rope: {"rope_type": rope.get("rope_type", rope.get("type", "default")), "rope_theta": theta,  # noqa: E731
+                         **{k: v for k, v in rope.items() if k not in ("type", "rope_type")}}
+    if read(params) != read(scaling):
+        raise EagletError(f"config has rope_parameters (as transformers 5 writes it, rope_theta inside) and a "
+                          f"rope_scaling that differs from it: transformers would read rope_scaling alone, with "
+                          f"rope_theta {theta}; keep one of them (the scaling's fields in rope_parameters, beside "
+                          "its rope_theta)")
+    return params, "rope_parameters"
 
 
 # The fields each rope scaling type needs, each a positive number; yarn's original_max_position_embeddings may be

@@ -24,7 +24,8 @@ from torch.distributed import _functional_collectives as funcol
 
 import attention
 from attention import attend
-from checkpoint import QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config
+from checkpoint import (QUANT_KEY, EagletError, check_config_values, load_state_dict, mismatch_detail, read_config,
+                        rope_settings)
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -65,8 +66,7 @@ class ModelArgs:
             raise EagletError(f"unsupported architecture {model_type or config.get('architectures')!r}; "
                               f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
         check_config_values(config)
-        # transformers >= 5 writes rope_parameters; published checkpoints use rope_theta + rope_scaling.
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope = dict(rope_settings(config)[0])
         rope_base = config.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", "yarn"):

@@ -1,6 +1,8 @@
 """Every user mistake ends with one line, 'error: ...', and a non-zero exit: one fixture per mistake, across
 generate.py, convert_hf_checkpoint.py, train_draft.py, bench.py and scripts/download.py."""
+import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -340,7 +342,7 @@ BAD_VALUES = {  # id: (config.json changes, what the one line must say)
     "rope_parameters rope_theta a string": ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
                                             "rope_theta must be a positive number, got '1e4'"),
     "rope_parameters a string": ({"rope_parameters": "default"},
-                                 "rope_parameters / rope_scaling must be a JSON object, got 'default'"),
+                                 "config rope_parameters must be a JSON object, got 'default'"),
     "heads not a multiple of kv heads": ({"num_key_value_heads": 3},
                                          "num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
     "hidden_size not a multiple of heads": ({"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": None},
@@ -508,6 +510,45 @@ def test_config_sizes_must_be_positive_integers(key, bad):
               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, key: bad}
     with pytest.raises(EagletError, match=f"config {key} must be a positive integer, got {bad!r}"):
         ModelArgs.from_hf_config(config)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported"),
+    ({"hidden_act": "foo"}, "hidden_act 'foo' is not supported"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+    ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+     "transformers would read rope_scaling alone, with rope_theta 10000.0"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5},  # alike, but for rope_theta
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "keep one of them"),
+])
+def test_config_fields_read_otherwise_than_transformers_would_are_refused(extra, match):
+    """Each of these was once read without a word: an activation never applied, a string taken as true (an untied
+    lm_head dropped), a rope_scaling beside transformers 5's rope_parameters ignored (transformers reads it alone,
+    rope_theta back at 10000: a model that is neither)."""
+    from model import EagletError, ModelArgs
+    config = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, **extra}
+    with pytest.raises(EagletError, match=re.escape(match)):
+        ModelArgs.from_hf_config(config)
+
+
+def test_rope_settings_are_read_where_transformers_reads_them():
+    """transformers' own reading of the config is the oracle: rope_parameters alone, rope_scaling alone, both alike."""
+    from transformers import LlamaConfig
+    from model import ModelArgs
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    base = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "max_position_embeddings": 256}
+    for extra in ({"rope_parameters": {**yarn, "rope_theta": 5e5}}, {"rope_scaling": yarn, "rope_theta": 5e5},
+                  {"rope_parameters": {**yarn, "rope_theta": 5e5}, "rope_scaling": yarn, "rope_theta": 5e5},
+                  {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": None}):
+        theirs = LlamaConfig.from_dict(copy.deepcopy({**base, **extra})).rope_parameters  # it edits what it is given
+        ours = ModelArgs.from_hf_config(copy.deepcopy({**base, **extra}))
+        assert ours.rope_base == theirs["rope_theta"] == 5e5, extra
+        assert (ours.rope_scaling or {}).get("rope_type", "default") == theirs["rope_type"], extra
+        assert (ours.rope_scaling or {}).get("factor") == theirs.get("factor"), extra
 
 
 def test_sampling_settings_out_of_range_are_refused():
