@@ -62,7 +62,9 @@ class TextStreamer:
 
 
 def encode_prompts(tokenizer: Tokenizer, texts, chat: bool = False, system: Optional[str] = None) -> list:
-    """Prompts as token lists; with chat (--chat or --interactive), through the chat template (with --system)."""
+    """Prompts as token lists; with chat (--chat or --interactive), through the chat template (with --system). A string
+    is one prompt (not one a character)."""
+    texts = [texts] if isinstance(texts, str) else texts
     if not chat:
         return [tokenizer.encode(text) for text in texts]
     system = [{"role": "system", "content": system}] if system else []

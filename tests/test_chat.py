@@ -10,7 +10,7 @@ import generate
 import decode
 from sampling import SamplingConfig
 from tokenizer import Tokenizer
-from conftest import expect_error, run_cli, scripted_input
+from conftest import ROOT, expect_error, run_cli, scripted_input
 
 
 def test_chat_uses_the_checkpoint_template(checkpoints, tmp_path):
@@ -170,3 +170,11 @@ def test_demo_note_says_only_what_holds_where_it_prints(capsys, device, precisio
     assert exact_note in out
     chat.demo_note(argparse.Namespace(**{**vars(args), "temperature": 1.0, "device": "cuda"}))
     assert capsys.readouterr().out == ""  # sampled text differs run to run anyway: no note
+
+
+def test_the_python_apis_load_takes_a_string_as_one_prompt():
+    """load(prompts="def f():") once made a prompt of each character (a string is a sequence of them)."""
+    from load import load
+    *_, prompts, rows = load(ROOT / "demo" / "target", draft_checkpoint_path=ROOT / "demo" / "head", device="cpu",
+                             prompts="def f():", max_new_tokens=8)
+    assert prompts == [Tokenizer(ROOT / "demo" / "target").encode("def f():")] and rows == 1
