@@ -52,6 +52,9 @@ def pick_device(name: str) -> str:
 def load_target(checkpoint_path, device: str, precision: str, max_seq_length: int = 0, group=None) -> Transformer:
     """The target on device in precision, with a KV cache of max_seq_length slots (none if 0).
     checkpoint_path: model.pth (or a quantized one) or its folder. group: tensor parallel, this rank's shard."""
+    if precision not in PRECISIONS:
+        raise EagletError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    device = pick_device(device)  # "auto" too; "cuda" without one is one clear error, not torch's assertion
     path, dtype = converted_file(checkpoint_path, "model.pth"), PRECISIONS[precision]
     model = tp.load_sharded(path, group, device, dtype) if group is not None else \
         Transformer.from_checkpoint(path, device=device, dtype=dtype)

@@ -551,6 +551,18 @@ def test_rope_settings_are_read_where_transformers_reads_them():
         assert (ours.rope_scaling or {}).get("factor") == theirs.get("factor"), extra
 
 
+def test_the_python_apis_load_target_refuses_a_precision_or_device_it_cannot_give(monkeypatch):
+    """Once a bare KeyError ('float16') and torch's 'Torch not compiled with CUDA enabled'."""
+    from load import load_target
+    from model import EagletError
+    with pytest.raises(EagletError, match="precision 'float16': one of bf16, fp16, fp32"):
+        load_target(ROOT / "demo" / "target", "cpu", "float16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EagletError, match="no CUDA device is available"):
+        load_target(ROOT / "demo" / "target", "cuda", "fp32")
+    assert load_target(ROOT / "demo" / "target", "auto", "fp32").output.weight.device.type == "cpu"
+
+
 def test_sampling_settings_out_of_range_are_refused():
     """The CLI's flags refuse these before parsing ends; the Python API's SamplingConfig refuses them too."""
     from sampling import SamplingConfig
