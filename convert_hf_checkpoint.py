@@ -379,6 +379,10 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, de
     try:
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".eaglet-convert-") as tmp_dir:
             state_dict = convert_weights(checkpoint_dir, config, weights, Path(tmp_dir), hub_int4, is_target, log)
+            rows = state_dict.get("tok_embeddings.weight") if is_target else None
+            if rows is not None and rows.shape[0] != config["vocab_size"]:  # else refused only when loaded
+                raise EagletError(f"{checkpoint_dir / 'config.json'}: vocab_size {config['vocab_size']}, but the "
+                                  f"embeddings have {rows.shape[0]} rows")
             log(f"writing {out_path}")
             torch.save(state_dict, Path(tmp_dir) / out_path.name)
             for name in copies:  # before the converted file: a converted file in DIR has its config beside it

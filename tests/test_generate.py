@@ -114,6 +114,12 @@ def test_convert_errors(tmp_path):
     make_hf_checkpoint(tmp_path / "noweights", "llama2")
     (tmp_path / "noweights" / "model.safetensors").unlink()
     expect_convert_error(tmp_path / "noweights", "no weights")
+    make_hf_checkpoint(tmp_path / "vocab", "llama2")  # a config.json whose vocab_size is not the weights'
+    config = json.loads((tmp_path / "vocab" / "config.json").read_text())
+    (tmp_path / "vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 4}))
+    expect_convert_error(tmp_path / "vocab", f"vocab_size {config['vocab_size'] - 4}, but the embeddings have "
+                                             f"{config['vocab_size']} rows")
+    assert not (tmp_path / "vocab" / "model.pth").exists()
 
 
 def test_cli_error_is_one_line_without_traceback(tmp_path):
