@@ -21,8 +21,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Str
 from checkpoint import EagletError
 from load import pick_device
 from server.engine import Engine
-from server.fields import ApiError
-from server.replies import StreamReply, whole_reply
+from server.fields import ApiError, model_of
+from server.replies import StreamReply, prompt_firsts, whole_reply
 from server.requests import Requests
 
 PAGE = Path(__file__).resolve().parent / "serve.html"
@@ -76,10 +76,10 @@ class Server:
         return {"object": "list", "data": [model_object(name) for name in self.model_ids]}
 
     async def model(self, name: str):
-        if name not in self.model_ids:
-            return ApiError(404, f"the model {json.dumps(name)[:80]} does not exist here; this server has "
-                                 f"{', '.join(self.model_ids)}", "model", "model_not_found").response()
-        return model_object(name)
+        try:
+            return model_object(model_of({"model": name}, self.model_ids))
+        except ApiError as e:
+            return e.response()
 
     async def chat_completions(self, request: Request):
         return await self.complete(request, chat=True)
@@ -207,7 +207,7 @@ def log_request(route: str, status: int, done: Optional[dict] = None, seconds: f
     line = f"request: POST {route} {status}"
     if done:
         records = list(done.values())
-        prompt = sum(len(p) for p in {id(job.prompt): job.prompt for job in jobs}.values())
+        prompt = sum(len(job.prompt) for job in prompt_firsts(jobs))
         completion = sum(r["completion_tokens"] for r in records)
         cycles = sum(r["eaglet"]["cycles"] for r in records)
         emitted = sum(r["eaglet"]["tau"] * r["eaglet"]["cycles"] for r in records if r["eaglet"]["tau"])

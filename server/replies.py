@@ -197,12 +197,17 @@ def calls_of(job: Job, text: str) -> tuple:
     return content, calls[:1] if job.one_call else calls
 
 
+def prompt_firsts(jobs: list) -> list:
+    """Each distinct prompt's first choice: the one that prefilled it (later ones may reuse its cache)."""
+    firsts = {}
+    for job in jobs:
+        firsts.setdefault(id(job.prompt), job)
+    return list(firsts.values())
+
+
 def usage(jobs: list, done: dict) -> dict:
     """OpenAI's usage of a request: each distinct prompt once, every choice's completion."""
-    firsts = {}
-    for job in jobs:  # a prompt's first choice: the one that prefilled it (later ones may reuse its cache)
-        firsts.setdefault(id(job.prompt), job)
-    prompts = firsts.values()
+    prompts = prompt_firsts(jobs)
     prompt_tokens = sum(len(job.prompt) for job in prompts)
     completion = sum(reply["completion_tokens"] for reply in done.values())
     cached = sum(done[job.index]["cached_tokens"] for job in prompts)
