@@ -98,9 +98,14 @@ class DraftHead(nn.Module):
     def context_mask(self, ctx_len: Tensor, block: Tensor):
         """The mask of a call of the head's over its cache: tokens at slots ctx_len.. see the context (or its window)
         and what block [T, W] allows of their own slots (attention.attention_mask)."""
-        if self.window is None or sum(self.window) >= self.max_seq_length:  # the window holds the whole cache
+        if not self.windowed:
             return attention_mask(ctx_len, block, self.max_seq_length)
         return WindowMask(ctx_len, block, *self.window, self.max_seq_length)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a window leaves part of the cache unseen (a window as long as the cache holds all of it)."""
+        return self.window is not None and sum(self.window) < self.max_seq_length
 
     def catch_up(self, target: Transformer, tokens: Tensor, features: Tensor, ctx_len: Tensor,
                  n_accepted: Tensor) -> Tensor:

@@ -40,7 +40,13 @@ class DraftModel(DraftHead):
         self.model.setup_rope(max_seq_length)
 
     def context_mask(self, ctx_len: Tensor, block: Tensor):
-        return super().context_mask(ctx_len + 1, block)  # the root, at ctx_len, is context
+        """The root, at slot ctx_len, is context: a column every row sees before block's. Built on ctx_len itself, not
+        ctx_len + 1: split attention's flex mask_mod may read only a graph input (attention.decode_block_mask says
+        why). A window keeps counting back from the root."""
+        if self.windowed:
+            return super().context_mask(ctx_len + 1, block)
+        root = torch.ones(*block.shape[:-1], 1, dtype=torch.bool, device=block.device)
+        return super().context_mask(ctx_len, torch.cat([root, block], dim=-1))
 
     def catch_up_first(self, target: Transformer, tokens: Tensor):
         """The context's first token (tokens [1] or [B], at position 0): a head's first pair starts there, a model's

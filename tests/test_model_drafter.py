@@ -76,3 +76,22 @@ def test_the_command_line_takes_a_draft_model_and_refuses_another_vocabulary(tmp
     torch.save(state, other / "model.pth")
     expect_error(base + ["--draft_model", str(other)], "must share the target's vocabulary")
     expect_error(base + ["--draft_model", str(folder), "--ngram"], "give one drafter")
+
+
+def test_a_draft_model_under_split_attention_builds_its_masks_on_the_cycles_ctx_len(target, monkeypatch):
+    """Split attention on (EAGLET_SPLIT; forced into eager CPU code here): a draft model's masks are SplitMasks on the
+    very ctx_len the cycle passes, a graph input under torch.compile (flex's mask_mod on CUDA can read no tensor made
+    inside the graph), standing for the boolean mask of its calls one slot on; decoding stays plain decoding's."""
+    import attention
+    folder, model = target
+    monkeypatch.setattr(attention, "SPLIT_ATTENTION", True)
+    monkeypatch.setattr(attention, "SPLIT_EAGER", True)
+    draft = load_draft_model(folder, model)
+    ctx_len, block = torch.tensor(7), torch.ones(3, 3, dtype=torch.bool).tril()
+    mask = draft.context_mask(ctx_len, block)
+    assert isinstance(mask, attention.SplitMask) and mask.ctx_len is ctx_len
+    assert torch.equal(attention.boolean_mask(mask.ctx_len, mask.block, mask.n_kv),
+                       attention.boolean_mask(ctx_len + 1, block, draft.max_seq_length))
+    for prompt in PROMPTS:
+        spec = generate(model, prompt, 30, GREEDY, draft=draft, tree=TreeConfig(3, 2, 8))
+        assert spec.tokens == generate(model, prompt, 30, GREEDY).tokens
