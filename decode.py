@@ -96,8 +96,9 @@ def prefill_chunks(model: Transformer, tokens: Tensor, start_pos: int, chunk: in
         e = min(s + chunk, tokens.shape[1])
         input_pos = torch.arange(start_pos + s, start_pos + e, device=tokens.device)
         mask = causal_mask(input_pos, start_pos + e)  # eager: attend over the filled slots only
+        # (torch.full, not torch.tensor: a copy from the host would wait for the chunks before it, once a chunk)
         logits, features = model(tokens[:, s:e], input_pos, input_pos, mask,
-                                 logits_idx=None if on_logits else torch.tensor([-1], device=tokens.device))
+                                 logits_idx=None if on_logits else torch.full((1,), -1, device=tokens.device))
         if on_logits:
             on_logits(s, logits[0])
         yield s, logits[:, -1], features
@@ -218,10 +219,10 @@ def catch_up_chunks(target: Transformer, draft: DraftHead, next_tokens: Tensor, 
     """The head reads the pairs (features[i], next_tokens[i]) of positions first.., chunk pairs per call (its masks
     [chunk, L] at most); returns its output for the last pair."""
     check_chunk(chunk)
+    at = partial(torch.full, (), dtype=torch.long, device=features.device)  # made on the device: no wait (prefill)
     for s in range(0, len(next_tokens), chunk):
         e = min(s + chunk, len(next_tokens))
-        h_last = catch_up(target, draft, next_tokens[s:e], features[s:e], torch.tensor(first + s, device=features.device),
-                          torch.tensor(e - s - 1, device=features.device))
+        h_last = catch_up(target, draft, next_tokens[s:e], features[s:e], at(first + s), at(e - s - 1))
     return h_last
 
 

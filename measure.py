@@ -242,7 +242,7 @@ def cycle_bytes(target, draft, tree: TreeConfig, ctx: int) -> dict:
 
 def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s, copy_bw, phases: bool = True) -> dict:
     """One cycle at a fixed state, phase by phase (unless phases is False: each phase is one more graph to compile)
-    and whole, in ms and in plain decoding steps."""
+    and whole, in ms and in plain decoding steps (None without plain_step_s)."""
     device = target.output.weight.device
     wrap = (lambda f: compile_step(f, str(device))) if compile_ else (lambda f: f)
     levels, keep_phases = tree.levels, phases
@@ -261,7 +261,7 @@ def bench_cycle(target, draft, tree: TreeConfig, compile_, repeats, plain_step_s
         rows = {}
         for name, (fn, args) in (phases.items() if keep_phases else [("whole cycle", phases["whole cycle"])]):
             seconds, recompiles = timed(lambda: fn(*args), repeats, device)
-            rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s,
+            rows[name] = {"ms": seconds * 1e3, "plain_steps": seconds / plain_step_s if plain_step_s else None,
                           "recompiles_after_warmup": recompiles, "kernels": kernel_table(lambda: fn(*args), device)}
     floor = cycle_bytes(target, draft, tree, int(ctx_len))
     whole = rows["whole cycle"]["ms"] / 1e3

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = ("import platform, torch; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', "
        "torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')")
 
+STEP_MARGIN_S = 15  # of a step's limit, for its imports, CUDA's start and its last writes
+
 # speed_ab's rows, the cycle's graphs A/B first (a row starting late in the budget is cut); GPU round 6 measured the
 # plain rows and eagle2/trees/draft_vocab alone (BENCHMARKS.md), which comes again here as the A/B's other half
 SPEED_ROWS = ("eagle2/trees/draft_vocab,eagle2/captured/draft_vocab,eagle2/captured/draft_vocab/split,"
@@ -39,19 +41,20 @@ class Step:
     name: str
     item: str  # what it measures
     seconds: int  # its time limit
-    gpu: list  # the script and its arguments on the GPU; {out} is OUT/<name>, {commit} --commit
+    gpu: list  # the script and its arguments on the GPU; {out} is OUT/<name>, {commit} --commit, {budget} the step's
+    # own limit less STEP_MARGIN_S (the script skips a row that would end later: a row cut off keeps nothing)
     cpu: list  # the same on a CPU (--dry_run)
 
 
 CALLS = {
     1: [Step("env", "the machine", 30, ["-c", ENV], ["-c", ENV]),
         Step("speed_ab", "the speed A/Bs and a timeline", 200,
-             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "160", "--tokens", "256", "--rows", SPEED_ROWS,
+             ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "{budget}", "--tokens", "256", "--rows", SPEED_ROWS,
               "--commit", "{commit}"],
              ["scripts/speed_ab.py", "--out", "{out}", "--device", "cpu", "--shape", "reduced", "--tokens", "24",
               "--repeats", "2", "--budget_s", "60", "--rows", SPEED_ROWS, "--commit", "{commit}"]),
         Step("exact", "correctness on CUDA", 130,
-             ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "100"],
+             ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "{budget}"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
     2: [Step("exact_bf16", "--exact on CUDA: speculative == plain in bf16 (demo, compiled), and its cost", 120,
              ["scripts/exact_bench.py", "--checkpoint_path", "demo/target/model.pth", "--head", "demo/head/draft.pth",
@@ -67,7 +70,7 @@ CALLS = {
              ["scripts/long_context.py", "--shape", "tiny", "--device", "cpu", "--lengths", "300,900", "--cases",
               "plain,head", "--random_head", "eagle", "--chunks", "256", "--new_tokens", "16", "--out", "{out}.md"]),
         Step("cycles", "the new drafters' cycles", 130,
-             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "100", "--rows", CYCLE_ROWS,
+             ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "{budget}", "--rows", CYCLE_ROWS,
               "--commit", "{commit}"],
              ["scripts/drafter_cycles.py", "--out", "{out}", "--shape", "tiny", "--device", "cpu", "--repeats", "2",
               "--rows", "DFlash chain,P-EAGLE tree 32", "--commit", "{commit}"]),
@@ -80,7 +83,8 @@ CALLS = {
 
 def run_step(step: Step, out: Path, dry_run: bool, limit: float, commit: str) -> tuple:
     """(exit status or None if stopped at its limit, seconds)."""
-    args = [a.replace("{out}", str(out / step.name)).replace("{commit}", commit)
+    budget = str(max(int(limit - STEP_MARGIN_S), 1))
+    args = [a.replace("{out}", str(out / step.name)).replace("{commit}", commit).replace("{budget}", budget)
             for a in (step.cpu if dry_run else step.gpu)]
     t0 = time.perf_counter()
     with open(out / "calls.log", "a") as log:

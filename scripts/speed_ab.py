@@ -11,8 +11,9 @@ acceptance: the demo head's), greedy, --tokens new tokens a run:
 - a torch.profiler timeline of a few cycles of the first EAGLE-2 row: device busy time against wall time
   (OUT/timeline.json.gz, gzip: it opens in Perfetto as it is, in chrome://tracing once unzipped).
 
-Each row is written to OUT/speed_ab.json and OUT/speed_ab.md as soon as it is measured; a row that would start
-after --budget_s is skipped and says so. Every row's tokens are compared with the first plain row's.
+Each row is written to OUT/speed_ab.json and OUT/speed_ab.md as soon as it is measured; a row that would end after
+--budget_s (counted from the start, at the pace of the longest row so far) is skipped and says so. Every row's tokens
+are compared with the first row measured (the reference, named in the table: plain's where a plain row comes first).
 
     python scripts/speed_ab.py --out $OUT/ab --budget_s 330
     python scripts/speed_ab.py --out /tmp/ab --device cpu --shape reduced --tokens 24   # the CPU dry run
@@ -46,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--tokens", type=int_flag(2), default=256, help="new tokens a run")
     p.add_argument("--repeats", type=int_flag(1), default=20, help="back-to-back calls timed per row")
-    p.add_argument("--budget_s", type=int_flag(1), default=330, help="start no row after this many seconds")
+    p.add_argument("--budget_s", type=int_flag(1), default=330, help="seconds from the start; a row that would end later is skipped")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, from: " + ", ".join(ROWS) + " (trees: torch.compile's CUDA-graph trees; captured: "
                    "EAGLET_GRAPHS=manual; draft_vocab: the default draft vocabulary; split: EAGLET_SPLIT=1)")
     p.add_argument("--commit", default=None, help="the commit that runs (default: git's; a copy without history has none)")
@@ -98,17 +99,18 @@ def measure_row(target, draft, prompt, device, name, args, plain_tokens):
     fn = step_graphs.compile_step(decode.speculative_cycle if speculative else decode.decode_one_token, device)
     tree = TreeConfig(6, 10, 60)
     kwargs = {"draft": draft, "tree": tree} if speculative else {}
-    t0 = time.perf_counter()
+    t0, graphs_before = time.perf_counter(), measure.graph_count()
     generate(target, prompt, 16, GREEDY, step_fn=fn, **kwargs)  # compilation, graph capture
     compile_s = time.perf_counter() - t0
     result = generate(target, prompt, args.tokens, GREEDY, step_fn=fn, **kwargs)
     root, ctx_len, h_last = measure.start_state(target, draft if speculative else None)
+    inputs = GREEDY.inputs(device, target.args.vocab_size)  # as generate() passes them: the graph it compiled
     with torch.no_grad():
         if speculative:
-            call = lambda: fn(target, draft, root, ctx_len, h_last, tree, GREEDY)  # noqa: E731
+            call = lambda: fn(target, draft, root, ctx_len, h_last, tree, inputs)  # noqa: E731
         else:
             read = {} if device == "cuda" else {"filled": int(ctx_len) + 1}
-            call = lambda: fn(target, root.view(1, 1), ctx_len.view(1), GREEDY, **read)  # noqa: E731
+            call = lambda: fn(target, root.view(1, 1), ctx_len.view(1), inputs, **read)  # noqa: E731
         call_s, recompiles = measure.timed(call, args.repeats, device)
     calls = len(result.accept_lengths) if speculative else len(result.tokens) - 1
     decode_s = result.seconds - result.first_token_seconds
@@ -116,9 +118,10 @@ def measure_row(target, draft, prompt, device, name, args, plain_tokens):
            "first_token_ms": result.first_token_seconds * 1e3, "tau": result.tau if speculative else None,
            "call_ms": call_s * 1e3, "end_to_end_ms_per_call": decode_s / calls * 1e3,
            "outside_ms_per_call": decode_s / calls * 1e3 - call_s * 1e3, "at_call_rate": call_s * calls / decode_s,
-           "recompiles_after_warmup": recompiles, "compile_and_capture_s": compile_s,
+           "recompiles_after_warmup": recompiles, "graphs_compiled": measure.graph_count() - graphs_before,
+           "compile_and_capture_s": compile_s,
            "draft_vocab": draft.vocab_size if speculative else None,
-           "same_tokens_as_plain": None if plain_tokens is None else result.tokens == plain_tokens,
+           "same_tokens_as_reference": None if plain_tokens is None else result.tokens == plain_tokens,
            "tokens": result.tokens}
     if speculative and args.timeline and not args.timeline_done:
         row["timeline"] = timeline(target, prompt, fn, kwargs, args.out / "timeline.json.gz")
@@ -147,7 +150,8 @@ def markdown(results: dict) -> str:
              f"Command: `{setup['command']}`; copy bandwidth {setup['copy_GB_per_s']:.0f} GB/s; {setup['tokens']} "
              "tokens a run, greedy, the demo inflated", "",
              "| row | tokens/s end to end | decode tokens/s | first token (ms) | tau | call back to back (ms) | "
-             "per call end to end (ms) | outside (ms) | decode / call rate | same tokens as plain | compile (s) |",
+             f"per call end to end (ms) | outside (ms) | decode / call rate | same tokens as {results['reference']} | "
+             "compile (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results["rows"].items():
         if "tokens_per_s" not in r:
@@ -156,7 +160,7 @@ def markdown(results: dict) -> str:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | {r['first_token_ms']:.1f} | "
                      f"{tau} | {r['call_ms']:.3f} | {r['end_to_end_ms_per_call']:.3f} | {r['outside_ms_per_call']:.3f} | "
-                     f"{100 * r['at_call_rate']:.1f}% | {r['same_tokens_as_plain']} | {r['compile_and_capture_s']:.0f} |")
+                     f"{100 * r['at_call_rate']:.1f}% | {r['same_tokens_as_reference']} | {r['compile_and_capture_s']:.0f} |")
         if "timeline" in r:
             t = r["timeline"]
             lines.append(f"| (timeline of its 48-token run) | wall {t['wall_ms']:.1f} ms, device busy {t['device_busy_ms']:.1f} "
@@ -165,6 +169,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None):
+    start = time.perf_counter()  # --budget_s counts from here: the setup (the shape's weights) is part of it
     args = parse_args(argv)
     import torch
     import measure
@@ -179,18 +184,23 @@ def main(argv=None):
     results = {"setup": {"shape": args.shape, "device_name": name, "date": time.strftime("%Y-%m-%d"),
                          "commit": args.commit or measure.git_commit(), "tokens": args.tokens, "copy_GB_per_s": copy_bw / 1e9,
                          "command": "python " + " ".join(sys.argv if argv is None else ["scripts/speed_ab.py", *argv])},
-               "rows": {}}
-    t0, plain_tokens = time.perf_counter(), None
+               "rows": {}, "reference": "the first row measured"}
+    plain_tokens, longest = None, 0.0
     for row in args.rows:
-        if time.perf_counter() - t0 > args.budget_s:
-            results["rows"][row] = {"skipped": f"budget of {args.budget_s} s spent"}
+        elapsed = time.perf_counter() - start
+        if elapsed + longest > args.budget_s:  # a row cut off by the caller's time limit would keep nothing
+            results["rows"][row] = {"skipped": f"{elapsed:.0f} s of {args.budget_s} spent; the longest row took "
+                                               f"{longest:.0f} s"}
         else:
             print(f"== {row}", flush=True)
+            t0 = time.perf_counter()
             try:
                 results["rows"][row] = measure_row(target, draft, prompt, device, row, args, plain_tokens)
-                plain_tokens = plain_tokens or results["rows"][row]["tokens"]
+                if plain_tokens is None:
+                    plain_tokens, results["reference"] = results["rows"][row]["tokens"], row
             except Exception as e:  # the next row may still measure something
                 results["rows"][row] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            longest = max(longest, time.perf_counter() - t0)
         (args.out / "speed_ab.json").write_text(json.dumps(results, indent=1, default=str))
         (args.out / "speed_ab.md").write_text(markdown(results))
     print(markdown(results))

@@ -579,6 +579,13 @@ def test_gpu_calls_every_flag_is_the_scripts_own_and_a_step_is_recorded(tmp_path
         usage = subprocess.run([sys.executable, step.gpu[0], "--help"], cwd=ROOT, capture_output=True, text=True).stdout
         for flag in (a for a in step.gpu + step.cpu if a.startswith("--")):
             assert re.search(rf"{flag}\b", usage), (step.name, flag)
+    for step in (s for steps in gpu_calls.CALLS.values() for s in steps if "--budget_s" in s.gpu):
+        assert step.gpu[step.gpu.index("--budget_s") + 1] == "{budget}", step.name  # the step's own limit, less a margin
+    said = tmp_path / "said"
+    said.mkdir()
+    echo = gpu_calls.Step("echo", "a step's budget", 40, ["-c", "print('budget {budget}')"], [])
+    assert gpu_calls.run_step(echo, said, False, 40, "abc")[0] == 0
+    assert f"budget {40 - gpu_calls.STEP_MARGIN_S}\n" in (said / "calls.log").read_text()
     out = tmp_path / "c1"
     gpu_calls.main(["--call", "1", "--out", str(out), "--only", "env", "--dry_run", "--commit", "abc1234"])
     table = (out / "calls.md").read_text()
@@ -619,7 +626,11 @@ def test_drafter_cycles_dry_run_writes_each_row_as_it_goes(tmp_path, without_ind
     xpress = rows["XPress chain"]
     assert xpress["tree"] == [14, 1, 16] and xpress["draft_passes"] == 1  # the published block of 16, one pass
     assert xpress["phases"]["whole cycle"]["ms"] > 0 and xpress["floor_ms"] > 0
-    assert "| XPress chain | 16 | 1 |" in (out / "cycles.md").read_text()
+    # the plain step, measured after the rows, gives each row's cycle in plain steps
+    plain_ms = json.loads((out / "cycles.json").read_text())["plain"]["step_ms"]
+    assert xpress["phases"]["whole cycle"]["plain_steps"] == pytest.approx(xpress["phases"]["whole cycle"]["ms"] / plain_ms)
+    table = (out / "cycles.md").read_text()
+    assert "| XPress chain | 16 | 1 |" in table and "| plain step | 1 |" in table
     with pytest.raises(SystemExit, match="--out .* exists"):
         drafter_cycles.main(["--out", str(out), "--shape", "tiny", "--device", "cpu"])
 
@@ -636,7 +647,15 @@ def test_speed_ab_dry_run_measures_its_rows_against_plain(tmp_path, without_indu
     results = json.loads((out / "speed_ab.json").read_text())
     assert results["setup"]["commit"] == "abc1234"
     plain, spec = results["rows"]["plain/trees"], results["rows"]["eagle2/trees/draft_vocab"]
-    assert spec["same_tokens_as_plain"] is True and spec["tau"] > 1  # the demo's head, inflated, accepts
+    assert results["reference"] == "plain/trees" and spec["same_tokens_as_reference"] is True
+    assert spec["tau"] > 1  # the demo's head, inflated, accepts
     assert plain["call_ms"] > 0 and spec["call_ms"] > plain["call_ms"]  # a 60-token verify and 7 draft passes
+    # one graph a row: the timed calls take the sampling settings as generate() passes them (a SamplingConfig there
+    # once compiled a second graph, and on CUDA captured it again, inside the warm-up calls that hide it)
+    assert plain["graphs_compiled"] == spec["graphs_compiled"] == 1
     assert "timeline" in spec and (out / "timeline.json.gz").is_file()  # compressed: a GPU call brings back files of limited size
-    assert "| eagle2/trees/draft_vocab |" in (out / "speed_ab.md").read_text()
+    table = (out / "speed_ab.md").read_text()
+    assert "| eagle2/trees/draft_vocab |" in table and "same tokens as plain/trees" in table
+    speed_ab.main(["--out", str(tmp_path / "late"), "--device", "cpu", "--shape", "reduced", "--budget_s", "1",
+                   "--rows", "plain/trees"])  # the budget counts from the start: the setup spent it
+    assert "spent" in json.loads((tmp_path / "late" / "speed_ab.json").read_text())["rows"]["plain/trees"]["skipped"]

@@ -85,6 +85,31 @@ def test_a_head_reads_a_prompt_in_chunks_as_in_one_call(head):
         assert run.tokens == plain.tokens
 
 
+class HostCopies(TorchDispatchMode):
+    """Counts tensors made from host data (torch.tensor(...): aten.lift_fresh); on CUDA each such copy to the device
+    waits for the work queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_chunked_prefill_copies_from_the_host_once_not_once_a_chunk():
+    """The target's prefill and the head's read of the prompt, 300 tokens in chunks of 16: the values each chunk needs
+    are made on the device, so on a GPU the host queues every chunk without waiting for the one before; the one copy
+    is the head's pairs (the prompt's tokens)."""
+    target, draft = random_models("tiny", "cpu", torch.float32, 512, head="eagle")
+    tokens = torch.randint(0, 1024, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), HostCopies() as copies:
+        _, features = prefill(target, tokens, 0, 16)
+        catch_up_prompt(target, draft, tokens[0].tolist(), 0, features, tokens[0, -1], 16)
+    assert copies.count == 1
+
+
 @pytest.mark.parametrize("head", ["eagle", "peagle"])
 def test_generate_reads_a_chunked_prompt_into_the_head_as_one_read(head):
     """generate() hands the head each chunk's pairs as it goes: the head's cache over the prompt is what one read of the
