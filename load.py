@@ -279,7 +279,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
 def logit_bias_of(bias: Optional[dict]) -> dict:
     """--logit_bias's JSON object as {token id: bias}: its keys (JSON's are text) token ids, its values numbers."""
     bias = bias or {}
-    if not all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
+    if not all(str(k).isascii() and str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
         raise EagletError(f"--logit_bias maps token ids to numbers, e.g. '{{\"13\": -100}}', got {bias}")
     return {int(k): float(v) for k, v in bias.items()}
 

@@ -139,6 +139,7 @@ def logits_to_probs(logits: Tensor, sampling) -> Tensor:
     sorted_probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
     drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
     drop |= sorted_probs < min_p * sorted_probs[..., :1]
+    drop[..., 0] = False  # the most likely token stays: a top_p below float32's smallest (1e-300) is 0 here
     probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0))
     return probs / probs.sum(-1, keepdim=True)
 

@@ -52,7 +52,7 @@ CALLS = {
              ["scripts/speed_ab.py", "--out", "{out}", "--budget_s", "{budget}", "--tokens", "256", "--rows", SPEED_ROWS,
               "--commit", "{commit}"],
              ["scripts/speed_ab.py", "--out", "{out}", "--device", "cpu", "--shape", "reduced", "--tokens", "24",
-              "--repeats", "2", "--budget_s", "60", "--rows", SPEED_ROWS, "--commit", "{commit}"]),
+              "--repeats", "2", "--budget_s", "{budget}", "--rows", SPEED_ROWS, "--commit", "{commit}"]),
         Step("exact", "correctness on CUDA", 130,
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--budget_s", "{budget}"],
              ["scripts/cuda_exact.py", "--out", "{out}.json", "--device", "cpu", "--tokens", "16", "--budget_s", "30"])],
@@ -73,7 +73,7 @@ CALLS = {
              ["scripts/drafter_cycles.py", "--out", "{out}", "--budget_s", "{budget}", "--rows", CYCLE_ROWS,
               "--commit", "{commit}"],
              ["scripts/drafter_cycles.py", "--out", "{out}", "--shape", "tiny", "--device", "cpu", "--repeats", "2",
-              "--rows", "DFlash chain,P-EAGLE tree 32", "--commit", "{commit}"]),
+              "--budget_s", "{budget}", "--rows", "DFlash chain,P-EAGLE tree 32", "--commit", "{commit}"]),
         Step("bf16_rows", "where bf16 parts speculative from plain (split-K off under cuBLASLt)", 40,
              ["scripts/bf16_rows.py", "--out", "{out}", "--commit", "{commit}"],
              ["scripts/bf16_rows.py", "--out", "{out}", "--device", "cpu", "--shape", "tiny", "--rows", "8", "--context",
@@ -107,11 +107,14 @@ def main(argv=None):
     p.error = lambda message: sys.exit(f"error: {message}")  # one line, as every eaglet tool says a mistake
     p.add_argument("--call", type=int, choices=sorted(CALLS), required=True)
     p.add_argument("--out", type=Path, required=True, help="a folder, empty or new")
-    p.add_argument("--budget_s", type=float, default=320, help="the whole call's seconds (the device tool's limit: 600)")
+    p.add_argument("--budget_s", type=float, default=None, help="the whole call's seconds (default: its steps' limits "
+                   "added up, call 1 360, call 2 440; the device tool's limit is 600)")
     p.add_argument("--commit", default="unknown", help="the commit that runs (the device's copy has no history)")
     p.add_argument("--only", default="", help="comma-separated step names to run (default: all of the call's)")
     p.add_argument("--dry_run", action="store_true", help="the same steps on this CPU, on shapes a CPU runs")
     args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = sum(step.seconds for step in CALLS[args.call])
     if not 0 < args.budget_s < float("inf"):
         p.error(f"--budget_s must be a positive number of seconds, got {args.budget_s}")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):

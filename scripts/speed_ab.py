@@ -158,9 +158,10 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {r.get('skipped') or r.get('error')} |")
             continue
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        same = "(the reference)" if name == results["reference"] else r["same_tokens_as_reference"]
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | {r['first_token_ms']:.1f} | "
                      f"{tau} | {r['call_ms']:.3f} | {r['end_to_end_ms_per_call']:.3f} | {r['outside_ms_per_call']:.3f} | "
-                     f"{100 * r['at_call_rate']:.1f}% | {r['same_tokens_as_reference']} | {r['compile_and_capture_s']:.0f} |")
+                     f"{100 * r['at_call_rate']:.1f}% | {same} | {r['compile_and_capture_s']:.0f} |")
         if "timeline" in r:
             t = r["timeline"]
             lines.append(f"| (timeline of its 48-token run) | wall {t['wall_ms']:.1f} ms, device busy {t['device_busy_ms']:.1f} "

@@ -59,7 +59,7 @@ class Server:
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return ApiError(401, "a missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key").response()
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+        if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > MAX_BODY):
             return ApiError(413, f"the request body is over {MAX_BODY} bytes").response()
         return None
 
@@ -122,11 +122,20 @@ class Server:
         return ApiError(503, "the server is shutting down", code="shutting_down").response({"Connection": "close"})
 
     async def body(self, request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        raw = bytearray()
+        async for part in request.stream():  # read no further than MAX_BODY: a body without Content-Length too
+            raw += part
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
         try:
             body = json.loads(raw)
+            # JSON's \ud800 escapes decode to lone surrogates, text no tokenizer or grammar can take
+            json.dumps(body, ensure_ascii=False).encode()
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deeply")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds text that is not Unicode (an unpaired surrogate escape, "
+                                "e.g. \\ud800)")
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "the request body is not valid JSON")
         if not isinstance(body, dict):

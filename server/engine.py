@@ -341,13 +341,15 @@ def drafted_marks(tokenizer, streamer: TextStreamer, cycle: list, forced: list) 
 
 
 def scored(tokenizer, vocab: int, job: Job, first: int, tokens: list) -> list:
-    """The scores of tokens, the job's tokens from index first on (EOS left out, as from the text), raw: each
-    token's bytes, its logprob under the target and its likeliest alternatives as (bytes, logprob); replies.py
-    shapes them as OpenAI's logprobs."""
+    """The scores of tokens, the job's tokens from index first on, raw: each token's bytes, its logprob under the
+    target and its likeliest alternatives as (bytes, logprob); replies.py shapes them as OpenAI's logprobs. EOS has no
+    text: the one ending a reply is left out; with ignore_eos, where every EOS is one of the reply's tokens (usage
+    counts it), its bytes are empty."""
     if job.sampling.logprobs < 0:
         return []
-    return [(token_bytes(tokenizer, vocab, t), logprob, [(token_bytes(tokenizer, vocab, i), p) for i, p in top])
-            for t, (logprob, top) in zip(tokens, job.scores[first:]) if t not in tokenizer.eos_ids]
+    own = lambda t: b"" if t in tokenizer.eos_ids else token_bytes(tokenizer, vocab, t)  # noqa: E731
+    return [(own(t), logprob, [(token_bytes(tokenizer, vocab, i), p) for i, p in top])
+            for t, (logprob, top) in zip(tokens, job.scores[first:]) if job.ignore_eos or t not in tokenizer.eos_ids]
 
 
 def unsent(state: dict) -> list:

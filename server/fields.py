@@ -57,8 +57,8 @@ def number(body: dict, name: str, default, low: float, high: float, integer: boo
         return default
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)[:60]}", name)
-    if not math.isfinite(value) or not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low} and {high}, got {value}", name)
+    if not low <= value <= high or isinstance(value, float) and not math.isfinite(value):  # ints: any size
+        raise ApiError(400, f"{name} must be between {low} and {high}, got {str(value)[:60]}", name)
     return value
 
 
@@ -89,7 +89,7 @@ def logprobs_of(body: dict, chat: bool) -> int:
 def logit_bias_of(body: dict) -> dict:
     """OpenAI's logit_bias: token ids (as JSON keys, text) to biases from -100 to 100, as {id: bias}."""
     bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias) or not all(
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
         raise ApiError(400, "logit_bias must map token ids to numbers from -100 to 100", "logit_bias")
     return {int(k): float(v) for k, v in bias.items()}

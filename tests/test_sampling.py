@@ -263,3 +263,14 @@ def test_the_tensor_settings_are_named_by_the_config_fields():
         "temperature": 0.5, "top_p": 0.25, "top_k": 7.0, "min_p": 0.125, "presence_penalty": 0.5,
         "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 3.0}
     assert SamplingConfig(top_k=10**9).inputs("cpu").named()["top_k"].item() == 2**24
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 0.3])
+def test_a_top_p_float32_cannot_hold_keeps_the_most_likely_token_as_transformers_does(top_p):
+    """top_p is a float32 tensor in the step: 1e-300 is 0 there, and 'drop where the more likely tokens hold at least
+    top_p' would drop every token (0 / 0: a token from nowhere). transformers' warper keeps at least one token."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    expected = torch.softmax(TopPLogitsWarper(top_p)(None, logits.clone()), -1)
+    got = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

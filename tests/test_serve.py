@@ -212,6 +212,13 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
     ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": ' + b"9" * 400 + b"}", 400, "temperature", "between"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 30}, 400, "max_tokens", "between"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "logit_bias", "token ids"),  # isdigit()
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\u0661": 5}}, 400, "logit_bias", "token ids"),  # int() reads 1
+    ("/v1/completions", b"[" * 200000 + b"]" * 200000, 400, None, "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "abc \\ud800 def"}', 400, None, "not Unicode"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, None, "not Unicode"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "s", "schema": {"type": "foo"}}}}, 400, "response_format", "Invalid type: foo"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format", "name"),
@@ -251,6 +258,25 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param, words
     assert r.status_code == status and error["param"] == param and words in error["message"], r.text
     assert set(error) == {"message", "type", "param", "code"}
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_body_without_content_length_is_refused_once_it_passes_the_limit(server):
+    """A chunked body (no Content-Length) is read no further than 1 MiB: the 413 comes while the client is still
+    sending, not after whatever it sends (a server that read it all first would hold every byte in memory)."""
+    import select
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    piece, sent = b"[" + b" " * (1 << 16), 0
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        while sent < 8 << 20 and not select.select([sock], [], [], 0.01)[0]:  # until the server answers
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        if sent >= 8 << 20:
+            sock.sendall(b"0\r\n\r\n")
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413") and b"over 1048576 bytes" in answer, answer[:200]
+    assert sent < 4 << 20
 
 
 def test_wrong_method_and_the_context_numbers(server):
@@ -834,6 +860,21 @@ def test_what_evaluation_and_load_clients_read(server, client, reference):
           "the refusal's log line")
     assert any(re.match(r"request: POST /v1/completions 200, 1 choice, prompt \d+ tokens, completion 60, tau [\d.]+, "
                         r"[\d.]+ s$", line.strip()) for line in LOGS[server])
+
+
+def test_with_ignore_eos_every_reply_token_has_its_logprobs_entry():
+    """The reply's EOS tokens are reply tokens under ignore_eos (usage counts them): one logprobs entry each, with
+    empty text; without it the EOS that ends the reply has none."""
+    from types import SimpleNamespace
+    from server.engine import scored
+    tokenizer = Tokenizer(DEMO / "target")
+    eos, word = min(tokenizer.eos_ids), tokenizer.encode("x")[-1]
+    scores = [(-0.5, [(eos, -0.5)]), (-1.0, [(word, -1.0)]), (-0.25, [(eos, -0.25)])]
+    for ignore_eos in (True, False):
+        job = SimpleNamespace(sampling=SamplingConfig(logprobs=1), scores=scores, ignore_eos=ignore_eos)
+        entries = [(text, logprob) for text, logprob, _ in scored(tokenizer, 4096, job, 0, [eos, word, eos])]
+        x = tokenizer.decode([word]).encode()
+        assert entries == ([(b"", -0.5), (x, -1.0), (b"", -0.25)] if ignore_eos else [(x, -1.0)])
 
 
 def test_echo_and_prompt_logprobs_score_the_prompt_as_a_forward_does(client, reference):
