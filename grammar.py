@@ -131,9 +131,22 @@ class Constraint:
         ll = llguidance()
         self.n_vocab, self.forced_min = n_vocab, forced_min
         self.matcher = ll.LLMatcher(grammar_tokenizer(tokenizer, n_vocab), grammar, log_level=0)
-        if self.matcher.is_error():
-            raise EagletError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.check_start(grammar_tokenizer(tokenizer, n_vocab))
         self.start_counts()
+
+    def check_start(self, tokens):
+        """Refuse, before any decoding, a grammar that matches nothing (its first mask puts the engine in error) or
+        whose first token already takes it past its limits (e.g. 2,000 alternatives in one rule): a copy of the
+        matcher takes the first token of text the mask allows (a special token's own quirks are not the grammar's)."""
+        allowed = self.allowed("cpu").nonzero().flatten().tolist()
+        probe = self.matcher.deep_copy()
+        if allowed and not self.matcher.is_error() and not self.matcher.is_stopped():
+            probe.consume_token(next((t for t in allowed if not tokens.is_special_token(t)), allowed[0]))
+        for matcher in (self.matcher, probe):
+            if matcher.is_error():  # the engine's first line: the rest is its state, the whole grammar at times
+                first = matcher.get_error().splitlines()[0][:500]
+                raise EagletError("the grammar cannot be used: " + (
+                    "no token starts a text it matches" if first == "NoExtensionBias" else first))
 
     def start_counts(self):
         self.cuts = 0  # positions where the target's pick was refused and the masked pick taken
@@ -169,7 +182,8 @@ class Constraint:
             if not self.allows(token):
                 return n
             if not self.matcher.consume_token(token):
-                raise EagletError(f"the grammar engine refused a token its mask allowed: {self.matcher.get_error()}")
+                raise EagletError("the grammar engine refused a token its mask allowed: "
+                                  f"{self.matcher.get_error().splitlines()[0][:500]}")
         return len(tokens)
 
     def forced(self, limit: int) -> list:

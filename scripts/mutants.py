@@ -166,7 +166,7 @@ MUTANTS = [
     M("catch-up: the token before start_pos not re-run in a later turn", "decode.py",
       "first = max(start_pos - 1, 0) if draft else start_pos", "first = start_pos"),
     M("catch-up: the prompt's last pair skipped", "decode.py",
-      "torch.tensor(e - s - 1, device=features.device))", "torch.tensor(max(e - s - 2, 0), device=features.device))"),
+      "at(first + s), at(e - s - 1))", "at(first + s), at(max(e - s - 2, 0)))"),
     # EAGLE-3 features and d2t
     M("eagle3: feature layer ids read as layer inputs", "head_formats.py",
       "layers = tuple(k + 1 for k in ids) if ids", "layers = tuple(k for k in ids) if ids"),

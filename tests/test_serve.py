@@ -224,6 +224,9 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format", "name"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format", "'yaml'"),
     ("/v1/completions", {"prompt": "x", "regex": "(["}, 400, "regex", "unclosed character class"),
+    ("/v1/completions", {"prompt": "x", "regex": "[^\\x00-\\x{10FFFF}]"}, 400, "regex", "no token starts a text"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": [f"o{i}" for i in range(2001)]}, 400, "guided_choice",
+     "max is 2000"),  # llguidance's limit, met at the first token: refused before decoding
     ("/v1/completions", {"prompt": "x", "regex": "a", "grammar": "start: x"}, 400, "grammar", "not several"),
     ("/v1/nowhere", {}, 404, None, "no such path"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": [
