@@ -59,3 +59,30 @@ def test_the_page_chats_and_marks_drafted_and_target_tokens():
         driver.quit()
         proc.terminate()
         proc.wait(timeout=HANG_S)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="Debian's chromium and chromium-driver are not installed")
+def test_the_page_asks_for_the_api_key_a_server_needs():
+    """With --api_key the page's first request is refused (401): it asks for the key, again after a wrong one, and
+    then chats with it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+    proc, url = start_server("--api_key", "sekret")
+    driver = browser()
+    try:
+        driver.get(url + "/")
+        driver.find_element(By.ID, "prompt").send_keys("def read_lines(path):")
+        driver.find_element(By.ID, "send").click()
+        for key, asked in (("wrong", "needs its API key"), ("sekret", "That key was refused")):
+            alert = WebDriverWait(driver, 60).until(expected_conditions.alert_is_present())
+            assert asked in alert.text
+            alert.send_keys(key)
+            alert.accept()
+        WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "log").get_attribute("data-done") == "1")
+        assert driver.find_elements(By.CSS_SELECTOR, "#log span.drafted, #log span.target")
+    finally:
+        driver.quit()
+        proc.terminate()
+        proc.wait(timeout=HANG_S)
