@@ -246,8 +246,9 @@ def response_format_grammar(response_format) -> Optional[str]:
         raise EagletError('response_format json_schema must be an object holding a "schema" object (and its "name")')
     if "name" in spec and not isinstance(spec["name"], str):  # OpenAI requires one; llama.cpp's clients send none
         raise EagletError('response_format json_schema\'s "name" must be a string')
-    schema = spec.get("schema", {})
-    return grammar_of("json_schema", json.dumps(schema), strict=spec.get("strict") is True)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise EagletError('response_format json_schema\'s "strict" must be true or false')
+    return grammar_of("json_schema", json.dumps(spec.get("schema", {})), strict=spec.get("strict") is True)
 
 
 def after_thinking(tokenizer: Tokenizer, n_vocab: int, grammar: str, start: str) -> str:

@@ -53,8 +53,11 @@ def functions_of(tools) -> dict:
         name, parameters = function.get("name"), function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise EagletError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ . or -")
-        if not isinstance(parameters, dict):
-            raise EagletError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise EagletError(f"tools[{i}].function.parameters must be a JSON schema of an object (a call's arguments "
+                              "are one)")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise EagletError(f"tools[{i}].function.strict must be true or false")
         if name in functions:
             raise EagletError(f"tools[{i}]: a second function named {name}")
         functions[name] = parameters

@@ -55,8 +55,9 @@ class Server:
     def guard(self, request: Request) -> Optional[JSONResponse]:
         """The refusal of a wrong API key (compared in constant time) or a body too large, before any route runs."""
         if self.api_key and request.url.path.startswith("/v1/") and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # (the scheme's name is case-insensitive in HTTP: "bearer" is "Bearer")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
                 return ApiError(401, "a missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key").response()
         length = request.headers.get("content-length")
         if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > MAX_BODY):

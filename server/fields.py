@@ -195,12 +195,13 @@ def one_call_of(body: dict) -> bool:
     return body.get("parallel_tool_calls") is False
 
 
-def ignore_eos_of(body: dict) -> bool:
-    """ignore_eos (vLLM's, which load testers send for replies of a fixed length): decode past end-of-sequence up to
-    max_tokens, the end-of-sequence tokens kept in the reply as any other."""
-    if body.get("ignore_eos") not in (None, True, False):
-        raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
-    return body.get("ignore_eos") is True
+def flag_of(body: dict, name: str, default: bool) -> bool:
+    """A true / false field (null: the default), e.g. ignore_eos (vLLM's, which load testers send for replies of a
+    fixed length: decode past end-of-sequence up to max_tokens) or cache_prompt."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):  # (1 == True: not a test of value)
+        raise ApiError(400, f"{name} must be true or false", name)
+    return default if value is None else value
 
 
 def choices_of(prompts: int, n: int):
@@ -216,6 +217,9 @@ def max_tokens_of(body: dict, echo: bool = False) -> tuple:
     if limit == "max_completion_tokens" and body.get("max_tokens") not in (None, value):
         raise ApiError(400, "max_tokens and max_completion_tokens differ: give one of them (max_completion_tokens "
                             "is OpenAI's newer name)", "max_tokens")
+    least = body.get("min_tokens")
+    if value is not None and type(least) is int and least > value:  # (its own checks: sampling_of)
+        raise ApiError(400, f"min_tokens ({least}) is over {limit} ({value})", "min_tokens")
     return limit, value
 
 
@@ -251,9 +255,7 @@ def fits_room(prompt: list, limit: str, max_tokens: Optional[int], room: int, sc
 def stream_of(body: dict) -> tuple:
     """(whether to stream, whether the stream ends with usage, whether every chunk carries the usage so far: vLLM's
     continuous_usage_stats) of stream and stream_options."""
-    stream, options = body.get("stream", False), body.get("stream_options") or {}
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", "stream")
+    stream, options = flag_of(body, "stream", False), body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     if body.get("stream_options") is not None and not stream:

@@ -12,7 +12,7 @@ from grammar import Constraint, after_thinking, grammar_of, response_format_gram
 from reasoning import THINK_END, reasoning_start, template_thinks
 from server.engine import Engine, Job
 from server.fields import (MAX_CHOICES, NO_EFFECT, READ, REFUSED, TEMPLATE_HINTS, ApiError, choices_of, echo_of, fits_queue,
-                           fits_room, grammar_field_of, ignore_eos_of, max_tokens_of, messages_of, model_of, number, one_call_of,
+                           fits_room, grammar_field_of, flag_of, max_tokens_of, messages_of, model_of, number, one_call_of,
                            one_grammar, prompts_of, sampling_of, separate_reasoning_of, stream_of, template_kwargs_of)
 from tool_calls import call_format, call_grammar, chosen_functions, functions_of, ids_for_template
 
@@ -61,7 +61,7 @@ class Requests:
             fits_room(prompt, limit, max_tokens, self.engine.room(prompt), self.engine.scratch,
                       self.engine.model.max_seq_length, "messages" if chat else "prompt")
         stream, *usage_in_stream = stream_of(body)
-        reuse, events = body.get("cache_prompt", True) is not False, asyncio.Queue()
+        reuse, events = flag_of(body, "cache_prompt", True), asyncio.Queue()
         fits_queue(len(prompts) * n, self.engine.max_queue)
         one_grammar(body, calls)
         if any(t >= self.engine.model.args.vocab_size for t in sampling.logit_bias):
@@ -72,7 +72,7 @@ class Requests:
         jobs = [Job(prompt, self.engine.room(prompt) if max_tokens is None else max_tokens, sampling,
                     None if seed is None else seed + k, stop, reuse, loop, events,
                     constraint=None if constraint is None else constraint.copy(), tool_form=tool_form,
-                    one_call=one_call, reasoning=split_start, index=i * n + k, ignore_eos=ignore_eos_of(body),
+                    one_call=one_call, reasoning=split_start, index=i * n + k, ignore_eos=flag_of(body, "ignore_eos", False),
                     echo=echo, prompt_logprobs=prompt_k, prompt_text=text)
                 for i, (prompt, text) in enumerate(zip(prompts, texts)) for k in range(n)]
         return jobs, stream, usage_in_stream

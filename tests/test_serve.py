@@ -211,6 +211,14 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
      "chat_template_kwargs", "object"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop", "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "stream"),
+    ("/v1/completions", {"prompt": "x", "cache_prompt": "no"}, 400, "cache_prompt", "true or false"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", "over max_tokens (4)"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object"}, "strict": "yes"}}}, 400, "response_format", "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "array"}}}]}, 400, "tools", "of an object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "strict": "yes"}}]}, 400, "tools", "strict must be true or false"),
     ("/v1/completions", b"{" + b" " * (1 << 20) + b"}", 413, None, "over"),
     ("/v1/completions", b'{"prompt": "x", "temperature": ' + b"9" * 400 + b"}", 400, "temperature", "between"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 30}, 400, "max_tokens", "between"),
@@ -412,6 +420,12 @@ def test_the_api_key_is_required_when_set():
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret").completions.create(
             model="eaglet", prompt="x", max_tokens=2, temperature=0)
         assert good.usage.completion_tokens == 2
+        for header in ("bearer s3cret", "BEARER s3cret"):  # the scheme's name is case-insensitive (RFC 9110)
+            assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                              headers={"authorization": header}).status_code == 200
+        for header in ("s3cret", "Basic s3cret", "Bearer s3cret2", "Bearer"):
+            assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                              headers={"authorization": header}).status_code == 401, header
         assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
         # a page from another origin: its preflight is answered without the key (a browser sends none), the
         # request itself still needs it
@@ -840,6 +854,9 @@ def test_what_evaluation_and_load_clients_read(server, client, reference):
     reason in it."""
     named = client.completions.create(model="eaglet", prompt=PROMPTS[3], max_tokens=5, temperature=0)
     assert named.model == "eaglet"
+    unset = httpx.post(server + "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 5, "temperature": 0,
+                                                          "stream": None, "cache_prompt": None}, timeout=HANG_S)
+    assert unset.json()["choices"][0]["text"] == named.choices[0].text  # null: the default (a whole reply)
     assert client.completions.create(model="target/model.pth", prompt=PROMPTS[3], max_tokens=5).model == "target/model.pth"
     for path in ("/metrics", "/health", "/v1/models", "/"):
         answer = httpx.head(server + path)
