@@ -42,7 +42,8 @@ class Requests:
         sampling, seed, stop = sampling_of(body, chat)
         self.warn_once([name for name in body if name not in READ | NO_EFFECT | REFUSED.keys()],
                        "no OpenAI-compatible server eaglet knows defines it")
-        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", "separate_reasoning", *TEMPLATE_HINTS)
+        elsewhere = ("prompt",) if chat else ("messages", "chat_template_kwargs", "separate_reasoning", "top_logprobs",
+                                               "parallel_tool_calls", *TEMPLATE_HINTS)
         self.warn_once([name for name in elsewhere if body.get(name) is not None],
                        f"not read by /v1/{'chat/' if chat else ''}completions")
         n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)

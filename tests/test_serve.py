@@ -717,6 +717,11 @@ def test_fields_that_change_the_reply_are_honoured_or_refused_and_unknown_ones_l
     assert len(named) == 1 and named[0].startswith("warning:")
     warnings = [line for line in LOGS[server] if line.startswith("warning:")]  # refusals have lines of their own
     assert not any("'user'" in line or "use_beam_search" in line for line in warnings)
+    client.completions.create(model="eaglet", prompt="x", max_tokens=1, logprobs=1,  # chat's fields: not read here
+                              extra_body={"top_logprobs": 2, "parallel_tool_calls": False})
+    for name in ("top_logprobs", "parallel_tool_calls"):
+        until(lambda: any(f"field '{name}' is accepted and has no effect: not read by /v1/completions" in line
+                          for line in LOGS[server]), f"the warning line naming {name}")
 
 
 AGENT_BODIES = {  # request bodies the agent frameworks send (from their sources' documented parameters)
