@@ -8,7 +8,8 @@ one it is comes from its contents.
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/deepseek-ai/dspark_qwen3_8b_block7
     python convert_hf_checkpoint.py --checkpoint_dir checkpoints/hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4
 
-The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file.
+The folder keeps its config.json and tokenizer files; generate.py reads them from beside the .pth file. An earlier
+conversion there is replaced; a model.pth or draft.pth that is no PyTorch checkpoint is replaced only with --overwrite.
 
 A 4-bit checkpoint from the Hub (its config.json has a quantization_config: AWQ's GEMM layout, GPTQ, or
 compressed-tensors' pack-quantized, with groups of 32, 64, 128 or 256 input channels) becomes
@@ -48,6 +49,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -68,8 +70,9 @@ def parse_args(argv=None):
                         "model_int4.g32.pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing converted file in --out_dir and the copies there that differ; a Hub "
-                        "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, model.pth and "
-                        "draft.pth are replaced without it)")
+                        "4-bit target: its model_int4.g<N>.pth wherever it goes (in --checkpoint_dir, a model.pth or "
+                        "draft.pth that torch.save wrote, an earlier conversion, is replaced without it; a file of "
+                        "that name that is no PyTorch checkpoint only with it)")
     return p.parse_args(argv)
 
 
@@ -344,6 +347,15 @@ def is_gguf(path: Path) -> bool:
                                       any(path.glob("*.gguf")))
 
 
+def is_torch_archive(path: Path) -> bool:
+    """Whether path is a file torch.save wrote (a zip archive holding data.pkl)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, dequantize: bool = False) -> Path:
     """DIR/model.pth or DIR/draft.pth; a Hub 4-bit target's DIR/model_int4.g<N>.pth, which replaces a file of
     that name only if overwrite. DIR: out_dir if given, with copies of the FILES_BESIDE the checkpoint has
@@ -373,7 +385,9 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, de
                           "--mode int8 takes a converted head)")
     out_path = output_path(out_dir / "model.pth", "int4", hub_int4.groupsize) if hub_int4 else \
         out_dir / ("model.pth" if is_target else "draft.pth")
-    refuse_existing(out_path, overwrite or (in_place and not hub_int4))  # in place, model.pth is ours to replace
+    # in place, an earlier conversion is ours to replace; a file of that name that is no PyTorch checkpoint is not
+    ours = in_place and not hub_int4 and out_path.is_file() and is_torch_archive(out_path)
+    refuse_existing(out_path, overwrite or ours, "" if ours or not in_place else " and is not a PyTorch checkpoint")
     copies = [] if in_place else files_to_copy(checkpoint_dir, out_dir, overwrite, log)
     make_folder(out_dir)
     try:

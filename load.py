@@ -58,10 +58,26 @@ def load_target(checkpoint_path, device: str, precision: str, max_seq_length: in
     path, dtype = converted_file(checkpoint_path, "model.pth"), PRECISIONS[precision]
     model = tp.load_sharded(path, group, device, dtype) if group is not None else \
         Transformer.from_checkpoint(path, device=device, dtype=dtype)
+    check_finite(model, path)
     if max_seq_length:
         with torch.device(device):
             model.setup_caches(max_batch_size=1, max_seq_length=max_seq_length)
     return model
+
+
+def check_finite(model: torch.nn.Module, path):
+    """Weights holding NaN or inf (a corrupt or badly made file) would decode garbage in silence: one error instead.
+    Each floating tensor summed in float32 (NaN and inf carry through a sum; weights this large never overflow it),
+    one read-back for all."""
+    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
+    if not named:
+        return
+    finite = torch.stack([t.sum(dtype=torch.float32) for _, t in named]).isfinite().tolist()
+    bad = [n for (n, _), ok in zip(named, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise EagletError(f"{path}: {bad[0]} holds values that are not finite (NaN or inf){more}: the file is "
+                          "corrupt or was made wrong")
 
 
 def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None, keep_ids=()) -> DraftHead:
@@ -72,6 +88,7 @@ def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None,
     checkpoint_path = converted_file(checkpoint_path, "draft.pth")
     weight = target.tok_embeddings.weight  # float in every format: the activations' device and dtype
     draft = load_head(checkpoint_path, target.args, device=weight.device, dtype=weight.dtype)
+    check_finite(draft, checkpoint_path)
     check_target_copies(draft, target)
     target.set_feature_layers(draft.feature_layers)
     if not isinstance(draft, EagleDraft):
@@ -94,6 +111,7 @@ def load_draft_model(checkpoint_path, target: Transformer) -> DraftModel:
     path = converted_file(checkpoint_path, "model.pth")
     weight = target.tok_embeddings.weight
     model = Transformer.from_checkpoint(path, device=weight.device, dtype=weight.dtype)
+    check_finite(model, path)
     check_draft_model(model, target, str(path))
     draft = DraftModel(model).eval()
     target.set_feature_layers(draft.feature_layers)

@@ -35,10 +35,20 @@ def chat_example(tokenizer: Tokenizer, turns: list, replies: list) -> tuple:
     return tokens, mask
 
 
+def read_utf8(path: Path) -> str:
+    """A data file's text; one not in UTF-8 is a mistake to say, not text to train on with its bytes replaced."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EagletError(f"{path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})")
+    except OSError as e:
+        raise EagletError(f"cannot read {path}: {e.strerror or e}")
+
+
 def read_questions(path: Path) -> list:
     """A FastChat question file: one JSON object per line, each with a list of "turns" (user messages)."""
     questions = []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    for n, line in enumerate(read_utf8(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -73,7 +83,7 @@ def read_items(paths, tokenizer: Tokenizer, seq_len: int) -> list:
             items += [DataItem(path, turns=q["turns"], references=q.get("reference"), question_id=q.get("question_id"))
                       for q in read_questions(path)]
         else:
-            tokens = tokenizer.encode(path.read_text(errors="replace"), bos=False)
+            tokens = tokenizer.encode(read_utf8(path), bos=False)
             items += [DataItem(path, tokens=tokens[start:start + seq_len])
                       for start in range(0, max(len(tokens) - 1, 1), seq_len)]
     return items

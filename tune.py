@@ -240,7 +240,10 @@ def write_tree_choice(path: Path, key: dict, measured: list, chosen: TreeConfig,
         partial_file.write_text(json.dumps({"choices": entries}, indent=1))
         os.replace(partial_file, path)  # whole or not at all, also when two runs write at once
     except OSError as e:
-        partial_file.unlink(missing_ok=True)
+        try:
+            partial_file.unlink(missing_ok=True)
+        except OSError:  # its folder is not one (EAGLET_CACHE naming a file): nothing was written
+            pass
         log(f"warning: could not save the tree choice to {path}: {e.strerror or e}")
 
 

@@ -89,6 +89,8 @@ def w(checkpoints, tmp_path_factory):
     write_eagle_head(ns.hf_head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
     ns.not_object = broken("not_object", lambda p: (p / "config.json").write_text("[1, 2]"))
     ns.not_dict = broken("not_dict", lambda p: torch.save([torch.zeros(2)], p / "model.pth"))
+    ns.nan = broken("nan", lambda p: with_weight(p / "model.pth", "layers.0.attention.wqkv.weight", float("nan")))
+    ns.head_inf = copy_head(ns.head, root / "head_inf", lambda p: with_weight(p / "draft.pth", "fc.weight", float("inf")))
     ns.bad_record = broken("bad_record", damage_record)
     ns.head_not_object = copy_head(ns.head, root / "head_not_object",
                                    lambda p: (p / "config.json").write_text("[1, 2]"))
@@ -105,6 +107,13 @@ def w(checkpoints, tmp_path_factory):
     (root / "bad_state").mkdir()
     (root / "bad_state" / "train_state.pt").write_bytes(b"not a checkpoint")
     return ns
+
+
+def with_weight(path, name, value):
+    """The file's tensor name with one value set to value (a NaN or an inf)."""
+    state = torch.load(path, weights_only=True)
+    state[name].view(-1)[0] = value
+    torch.save(state, path)
 
 
 def gen(w, *extra, ckpt="good"):
@@ -129,6 +138,10 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "quantization record damaged": ("generate", lambda w: gen(w, ckpt="bad_record"),
                                     "its quantization record is damaged"),
     "weights truncated": ("generate", lambda w: gen(w, ckpt="truncated"), "cannot read"),
+    "weights holding a NaN": ("generate", lambda w: gen(w, ckpt="nan"),
+                              "layers.0.attention.wqkv.weight holds values that are not finite (NaN or inf)"),
+    "head holding an inf": ("generate", lambda w: gen(w, "--draft_checkpoint_path", str(w.head_inf)),
+                            "fc.weight holds values that are not finite"),
     "weights garbage": ("generate", lambda w: gen(w, ckpt="garbage"), "cannot read"),
     "weights a pickle": ("generate", lambda w: gen(w, ckpt="pickle"), "never unpickled"),
     "weights of another shape": ("generate", lambda w: gen(w, ckpt="shapes"),

@@ -195,3 +195,15 @@ def test_out_dir_that_is_the_checkpoint_folder_converts_in_place(hub, tmp_path):
     for out_dir in (folder / ".", tmp_path / "link"):  # model.pth replaced without --overwrite, as in place
         assert convert(folder, out_dir=out_dir, **QUIET) == folder / "model.pth"
     assert sorted(p.name for p in folder.iterdir()) == names
+
+
+def test_in_place_a_file_of_the_converted_name_that_is_no_checkpoint_is_kept(hub, tmp_path):
+    """A model.pth in the folder that torch.save did not write (a user's file of that name) is refused without
+    --overwrite, unchanged; an earlier conversion is replaced (above)."""
+    folder = shutil.copytree(hub, tmp_path / "folder")
+    (folder / "model.pth").write_text("my notes")
+    expect_error(["--checkpoint_dir", str(folder)], f"{folder / 'model.pth'} exists and is not a PyTorch checkpoint; "
+                 "give --overwrite to replace it", main=convert_main)
+    assert (folder / "model.pth").read_text() == "my notes"
+    convert(folder, overwrite=True, **QUIET)
+    assert torch.load(folder / "model.pth", weights_only=True)["tok_embeddings.weight"].ndim == 2

@@ -130,6 +130,10 @@ def test_training_errors(checkpoints, tmp_path):
     base = ["--checkpoint_path", str(target_dir / "model.pth"), "--out_dir", str(tmp_path / "h"), "--device", "cpu"]
     expect_error(base + ["--data", str(tmp_path / "missing.txt")], "data file not found", main=train_draft.main)
     expect_error(base + ["--data", str(questions)], "--self_distill", main=train_draft.main)
+    for name in ("latin1.txt", "latin1.jsonl"):  # trained on with its bytes replaced, once
+        (tmp_path / name).write_bytes(b"caf\xe9 au lait\n")
+        expect_error(base + ["--data", str(tmp_path / name)], f"{tmp_path / name} is not UTF-8 text (byte 3: b'\\xe9')",
+                     main=train_draft.main)
 
 
 def test_a_head_trained_on_a_biased_target_loads_back(checkpoints, tmp_path):

@@ -196,16 +196,21 @@ def test_a_corrupt_cache_is_said_and_tuned_again(demo, taus, fake_tau, tmp_path,
     assert json.loads(cache.read_text())["choices"][-1]["tree"] == {"depth": 2, "topk": 3, "total_tokens": 8}
 
 
-def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(demo, taus, fake_tau, tmp_path):
+@pytest.mark.parametrize("blocked", ["a folder where the file should be", "a file where its folder should be"])
+def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(demo, taus, fake_tau, tmp_path, blocked):
     model, draft, prompts = demo
-    cache, lines = tmp_path / "tree_choice.json", []
-    cache.mkdir()  # a folder where the file should be
+    cache, lines = tmp_path / "cache" / "tree_choice.json", []
+    if blocked.startswith("a folder"):
+        cache.mkdir(parents=True)
+    else:
+        cache.parent.write_text("x")  # EAGLET_CACHE naming a file
     timer = FakeTimer({p: 1.0 for p in GRID})
     tree = tune.pick_tree(model, draft, prompts, key_for(demo), cache, GRID, NEW_TOKENS, timer=timer,
                               log=lines.append)
     best = max(GRID, key=lambda p: (taus[p], -p[2]))
     assert tree == TreeConfig(*best) and timer.calls == len(GRID)
-    assert "cannot be read" in lines[0] and lines[-1].startswith(f"warning: could not save the tree choice to {cache}")
+    assert "cannot be read" in lines[0] or blocked.startswith("a file")
+    assert lines[-1].startswith(f"warning: could not save the tree choice to {cache}")
 
 
 def test_a_grid_that_does_not_fit_the_cache_is_refused_before_measuring(demo):
