@@ -296,7 +296,9 @@ class StaticTree:
 
     def check(self, head):
         check_block(head, self.depth - 1)
-        check_topk(head, self.topk)
+        if self.topk > head.vocab_size:
+            raise EagletError(f"the static tree's child rank {self.topk - 1} is past the draft's vocabulary "
+                              f"({head.vocab_size} tokens: ranks 0 to {head.vocab_size - 1})")
 
     def table(self, device) -> dict:
         """The shape as index tensors on device, made once: for each level its nodes' tree indices, their

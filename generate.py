@@ -52,7 +52,7 @@ def json_object(text: str) -> dict:
     except ValueError as e:
         raise ArgumentTypeError(f"is not valid JSON: {e}")
     if not isinstance(value, dict):
-        raise ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+        raise ArgumentTypeError("must be a JSON object ({...})")
     return value
 
 
@@ -233,8 +233,9 @@ def parse_args(argv=None):
         args.prompts = (args.prompt or []) + (read_prompts(args.prompt_file) if args.prompt_file else [])
     except ValueError as e:
         p.error(str(e))
-    if args.interactive and len(args.prompts) > 1:
-        p.error("--interactive is one conversation: it takes no --prompt_file and at most one --prompt")
+    if args.interactive and (args.prompts or args.num_samples > 1):
+        p.error("--interactive starts an empty conversation and you type its messages: it takes no --prompt, "
+                "--prompt_file or --num_samples")
     empty = [i + 1 for i, text in enumerate(args.prompts) if not text]
     if empty and len(args.prompts) > 1:
         p.error(f"prompt {empty[0]} of {len(args.prompts)} is empty")

@@ -476,10 +476,14 @@ def read_draft_vocab(path, vocab_size: int) -> Tensor:
     """A draft vocabulary file written by scripts/draft_vocab.py: {"token_ids": [...]}, most frequent first."""
     path = Path(path)
     try:
-        token_ids = json.loads(path.read_text())["token_ids"]
-        token_ids = torch.tensor(token_ids, dtype=torch.long)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
         raise EagletError(f"cannot read the draft vocabulary {path}: {e}")
+    token_ids = data.get("token_ids") if isinstance(data, dict) else None
+    if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):  # not 1.5 or true as ids
+        raise EagletError(f'{path}: a draft vocabulary is {{"token_ids": [whole numbers, ...]}} (scripts/draft_vocab.py '
+                          "writes one)")
+    token_ids = torch.tensor(token_ids, dtype=torch.long)
     if token_ids.ndim != 1 or len(token_ids) == 0 or token_ids.min() < 0 or token_ids.max() >= vocab_size \
             or token_ids.unique().numel() != len(token_ids):
         raise EagletError(f"{path}: token_ids must be distinct ids below the target's vocabulary ({vocab_size})")

@@ -181,7 +181,7 @@ def tree_config(kind: str, tree_choices, depth, tree_topk, total_tokens, draft: 
     auto or tree auto, the tree sized for its largest candidate (the cache is sized for it; the choice itself
     is made once the model is loaded)."""
     if kind == "static":
-        tree = StaticTree(tree_choices or STATIC_CHOICES)
+        tree = StaticTree(STATIC_CHOICES if tree_choices is None else tree_choices)
         if draft is not None:
             tree.check(draft)
         return tree

@@ -609,7 +609,11 @@ def main(argv=None):
         check_lengths(target, cfg, args.max_new_tokens if args.self_distill else 0)
         check_head_flags(args, cfg, target)
         if not args.no_resume and (args.out_dir / "train_state.pt").is_file():  # before self-distilling
-            read_train_state(args.out_dir / "train_state.pt", target, args.head)
+            done = read_train_state(args.out_dir / "train_state.pt", target, args.head)["step"]
+            if done >= cfg.steps:  # the run would train nothing, and save the head it has as if it had
+                raise EagletError(f"{args.out_dir / 'train_state.pt'} has trained {done} steps, and --steps asks for "
+                                  f"{cfg.steps}: give more --steps to go on, --no_resume to start over, or another "
+                                  "--out_dir")
         tokenizer = Tokenizer(args.checkpoint_path.parent, args.chat_template)
         if any(str(path).endswith(".jsonl") for path in args.data):
             print(f"chat template: {tokenizer.chat_template_source}")

@@ -203,8 +203,9 @@ def test_prompt_file_mistakes_name_the_line(tmp_path, lines, match):
 def test_several_prompts_mistakes(tmp_path, monkeypatch):
     import load
     expect_error(["--prompt", "a", "--prompt", ""], "prompt 2 of 2 is empty")
-    expect_error(["--prompt", "a", "--prompt", "b", "--interactive", "--checkpoint_path", str(DEMO / "target")],
-                 "--interactive is one conversation")
+    for extra in (["--prompt", "a"], ["--prompt", "a", "--prompt", "b"], ["--num_samples", "2"]):  # never used
+        expect_error([*extra, "--interactive", "--checkpoint_path", str(DEMO / "target")],
+                     "--interactive starts an empty conversation and you type its messages: it takes no --prompt")
     monkeypatch.setattr(load, "free_memory", lambda device: 3_000_000)
     expect_error(["--prompt", "a", "--prompt", "b", "--prompt", "c", "--batch_size", "3", "--max_seq_length", "1024"],
                  "--batch_size 3: caches of 1024 slots for 3 rows need")

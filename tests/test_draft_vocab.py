@@ -88,6 +88,10 @@ def test_cli_finds_the_vocabulary_beside_the_head(pair, tmp_path, capsys):
                      "token_ids must be distinct ids below the target's vocabulary (64)")
     (tmp_path / "bad.json").write_text("{not json")
     expect_error(base + ["--draft_vocab", str(tmp_path / "bad.json")], "cannot read the draft vocabulary")
+    for name, text in (("list", "[1, 2]"), ("floats", '{"token_ids": [1.5, 2]}'), ("bools", '{"token_ids": [true, 2]}')):
+        (tmp_path / f"{name}.json").write_text(text)  # a list, not the object; ids read as other ids
+        expect_error(base + ["--draft_vocab", str(tmp_path / f"{name}.json")],
+                     'a draft vocabulary is {"token_ids": [whole numbers, ...]}')
 
 
 def test_script_writes_the_most_frequent_tokens(tmp_path, capsys):

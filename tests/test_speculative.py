@@ -145,6 +145,10 @@ def test_draft_errors(pairs, checkpoints, tmp_path):
     expect_error(base + draft + ["--depth", "1", "--tree_topk", "2", "--total_tokens", "8"], "total_tokens")
     expect_error(base + draft + ["--depth", "0"], "depth")
     expect_error(base + draft + ["--tree_topk", "65"], "exceeds the draft's vocabulary (64)")
+    static = ["--tree", "static", "--tree_choices"]
+    expect_error(base + draft + static + ["[[0], [64]]"], "the static tree's child rank 64 is past the draft's "
+                 "vocabulary (64 tokens: ranks 0 to 63)")  # ranks, not a --tree_topk the user never gave
+    expect_error(base + draft + static + ["[]"], "a static tree is a non-empty list of paths")  # not the default tree
     # a head for another target: vocabulary 96 instead of 64
     other_target, _ = checkpoints("llama31")
     expect_error(["--checkpoint_path", str(other_target / "model.pth"), "--device", "cpu"] + draft,

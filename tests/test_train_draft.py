@@ -104,7 +104,7 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
     assert "14 examples" in out and "resuming at step 5" in out and "training 8/8 steps (100.0%)" in out
     assert "top-1 agreement" in out and "(means of the last 3 steps)" in out  # what the numbers are
 
-    train_draft.main(argv[:-3] + ["5", "--save_every", "5", "--steps", "8"])  # --max_new_tokens 5
+    train_draft.main(argv[:-3] + ["5", "--save_every", "5", "--steps", "10"])  # --max_new_tokens 5
     out = capsys.readouterr().out
     assert f"not reusing {cache}: it was written with other inputs or settings (max_new_tokens: 6 -> 5)" in out
     assert replies_written and "self-distilling 14/14 examples" in out
@@ -112,6 +112,11 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
     assert trained_on[2] != trained_on[0]
     convert(head)
     assert (head / "draft.pth").exists()
+    replies_written.clear()  # no more steps to take: said before any long work, and nothing is rewritten
+    saved = (head / "model.safetensors").read_bytes()
+    expect_error(argv + ["--steps", "7"], f"{head / 'train_state.pt'} has trained 10 steps, and --steps asks for 7",
+                 main=train_draft.main)
+    assert replies_written == [] and (head / "model.safetensors").read_bytes() == saved
 
 
 def test_chat_examples_mask_only_the_assistant(checkpoints):
