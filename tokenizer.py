@@ -83,9 +83,14 @@ class Tokenizer:
 
     def _eos_ids(self, checkpoint_dir: Path) -> set:
         ids = set()
-        for config in (read_json(checkpoint_dir / "config.json"), read_json(checkpoint_dir / "generation_config.json")):
-            eos = config.get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        for name in ("config.json", "generation_config.json"):
+            eos = read_json(checkpoint_dir / name).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            wrong = [i for i in eos if type(i) is not int or not 0 <= i < self.vocab_size]
+            if wrong:  # a reply would never end there, or end at a token the text cannot show
+                raise EagletError(f"{checkpoint_dir / name}: eos_token_id {wrong[0]!r} is not a token id of the "
+                                  f"tokenizer ({self.vocab_size} tokens)")
+            ids.update(eos)
         if self.eos_token and self.token_id(self.eos_token) is not None:
             ids.add(self.token_id(self.eos_token))
         return ids
