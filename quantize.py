@@ -452,7 +452,9 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, overwr
             os.replace(Path(tmp_dir) / out_path.name, out_path)
     except OSError as e:
         raise EagletError(f"cannot write {out_path}: {e.strerror or e}")
-    log(f"{source_bytes / 1e9:.3f} GB -> {out_path.stat().st_size / 1e9:.3f} GB")
+    written = out_path.stat().st_size
+    unit, scale = ("GB", 1e9) if max(source_bytes, written) >= 1e9 else ("MB", 1e6)  # a head's few MB shown too
+    log(f"{source_bytes / scale:.3f} {unit} -> {written / scale:.3f} {unit}")
     return out_path
 
 

@@ -187,6 +187,16 @@ def test_quantized_target_matches_transformers_on_dequantized_weights(checkpoint
     assert (ours - want).abs().max() < 1e-4
 
 
+def test_the_sizes_it_prints_are_the_files_sizes(checkpoints, tmp_path, capsys):
+    """quantize.py's last line: the source's and the written file's sizes, in MB below a GB (a small file once
+    printed as 0.000 GB)."""
+    path = own_copy(checkpoints, "llama2", tmp_path)
+    written = quantize_cli(path / "model.pth", "int8")
+    line = [s for s in capsys.readouterr().out.splitlines() if " -> " in s][-1]
+    source_mb, out_mb = (float(part.split()[0]) for part in line.split(" -> "))
+    assert line.endswith(" MB") and out_mb == round(written.stat().st_size / 1e6, 3) and 0 < out_mb < source_mb
+
+
 def test_weight_bytes_count_quantized_bytes_as_stored(checkpoints, tmp_path):
     """A Linear reads its values, scales and zeros (fp32 on CPU); an untied embedding one row."""
     path = own_copy(checkpoints, "llama2", tmp_path)
