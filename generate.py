@@ -72,8 +72,8 @@ def model_flags(p):
     p.add_argument("--ngram", action="store_true",
                    help="n-gram prompt lookup, without a head: the drafts are what followed the context's last "
                         "--ngram_max .. --ngram_min tokens where they occurred before (prompt and reply), up to "
-                        "--tree_topk continuations of --depth tokens verified as one tree of at most --total_tokens; "
-                        "where nothing matches, a plain step")
+                        "--tree_topk continuations of --depth tokens verified as one tree of at most --total_tokens "
+                        "(default: 4 continuations of 8 tokens, at most 32); where nothing matches, a plain step")
     p.add_argument("--ngram_max", type=int_flag(1), default=4, help="--ngram: the longest suffix matched")
     p.add_argument("--ngram_min", type=int_flag(1), default=2, help="--ngram: the shortest suffix matched")
     p.add_argument("--draft_vocab", default=None,

@@ -192,8 +192,11 @@ def test_the_help_names_the_defaults_the_code_uses():
     from draft import DRAFT_SINKS
     from generate import model_flags
     from cli import cli_parser
-    text = model_flags(cli_parser("")).format_help()
+    from lookup import NgramLookup
+    text = " ".join(model_flags(cli_parser("")).format_help().split())
     assert f"default: {PREFILL_CHUNK}," in text and f"(default: {DRAFT_SINKS})" in text
+    assert f"(default: {NgramLookup.topk} continuations of {NgramLookup.depth} tokens, at most " \
+           f"{NgramLookup.total_tokens})" in text
 
 
 @pytest.mark.slow  # transformers loads the real model; both sides read a 7,200-token prompt
