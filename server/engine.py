@@ -117,11 +117,12 @@ class Engine:
     def __init__(self, args, max_queue: int, max_batch: int = 1):
         self._waiting, self.cached, self.metrics = Waiting(max_queue, max_batch), [], Metrics()
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.name, self.failure, ready = short_path(args.checkpoint_path), None, threading.Event()
+        self.failure, ready = None, threading.Event()
         threading.Thread(target=self.loop, args=(args, ready), daemon=True, name="eaglet engine").start()
         ready.wait()
         if self.failure is not None:
             raise self.failure
+        self.name = short_path(converted_file(args.checkpoint_path, "model.pth"))  # a folder: the file in it
 
     def load(self, args):
         # a server is one long conversation, as --interactive: caches of --max_seq_length (or 4096) slots

@@ -412,8 +412,10 @@ def test_prefix_reuse_without_a_head():
 
 
 def test_the_api_key_is_required_when_set():
-    proc, url = start_server("--api_key", "s3cret", "--no_draft")
+    proc, url = start_server("--api_key", "s3cret", "--no_draft", "--checkpoint_path", str(DEMO / "target"))
     try:
+        listed = httpx.get(url + "/v1/models", headers={"authorization": "Bearer s3cret"}).json()["data"]
+        assert listed[0]["id"] == "target/model.pth"  # the checkpoint given as its folder: named by the file in it
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 401
         wrong = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
