@@ -387,7 +387,8 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, de
         out_dir / ("model.pth" if is_target else "draft.pth")
     # in place, an earlier conversion is ours to replace; a file of that name that is no PyTorch checkpoint is not
     ours = in_place and not hub_int4 and out_path.is_file() and is_torch_archive(out_path)
-    refuse_existing(out_path, overwrite or ours, "" if ours or not in_place else " and is not a PyTorch checkpoint")
+    foreign = in_place and not hub_int4 and out_path.is_file() and not ours
+    refuse_existing(out_path, overwrite or ours, " and is not a PyTorch checkpoint" if foreign else "")
     copies = [] if in_place else files_to_copy(checkpoint_dir, out_dir, overwrite, log)
     make_folder(out_dir)
     try:

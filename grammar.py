@@ -197,7 +197,8 @@ class Constraint:
                 break
             token = int(allowed.nonzero()[0])
             if not self.matcher.consume_token(token):
-                raise EagletError(f"the grammar engine refused the token it forced: {self.matcher.get_error()}")
+                raise EagletError("the grammar engine refused the token it forced: "
+                                  f"{self.matcher.get_error().splitlines()[0][:500]}")
             run.append(token)
         if len(run) < max(self.forced_min, 1):
             self.matcher.rollback(len(run))
@@ -214,7 +215,7 @@ class Constraint:
         allowed = self.allowed(logits.device)
         if not bool(allowed.any()):
             raise EagletError("the grammar allows no token here (the grammar engine's state is "
-                              f"{self.matcher.get_error() or 'stopped'})")
+                              f"{(self.matcher.get_error() or 'stopped').splitlines()[0][:500]})")
         if sampling.temperature == 0:
             return logits.float().masked_fill(~allowed, float("-inf")).argmax(-1)
         probs = logits_to_probs(logits, sampling) * allowed

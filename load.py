@@ -72,12 +72,15 @@ def check_finite(model: torch.nn.Module, path):
     named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()]
     if not named:
         return
-    finite = torch.stack([t.sum(dtype=torch.float32) for _, t in named]).isfinite().tolist()
+    # in pieces: on a CPU a float32 sum of a bf16 tensor makes a float32 copy of it first
+    sums = [torch.stack([c.sum(dtype=torch.float32) for c in t.reshape(-1).split(1 << 24)]).sum() for _, t in named]
+    finite = torch.stack(sums).isfinite().tolist()
     bad = [n for (n, _), ok in zip(named, finite) if not ok]
     if bad:
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise EagletError(f"{path}: {bad[0]} holds values that are not finite (NaN or inf){more}: the file is "
-                          "corrupt or was made wrong")
+        raise EagletError(f"{path}: {bad[0]} holds values that are not finite (NaN or inf){more} in "
+                          f"{named[0][1].dtype}: the file is corrupt or was made wrong, or holds values too large for "
+                          "this precision")
 
 
 def load_draft(checkpoint_path, target: Transformer, draft_vocab=None, log=None, keep_ids=()) -> DraftHead:
@@ -297,7 +300,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
 def logit_bias_of(bias: Optional[dict]) -> dict:
     """--logit_bias's JSON object as {token id: bias}: its keys (JSON's are text) token ids, its values numbers."""
     bias = bias or {}
-    if not all(str(k).isascii() and str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
+    if not all(str(k).isascii() and str(k).isdigit() and len(str(k)) <= 10 and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
         raise EagletError(f"--logit_bias maps token ids to numbers, e.g. '{{\"13\": -100}}', got {bias}")
     return {int(k): float(v) for k, v in bias.items()}
 

@@ -610,7 +610,8 @@ def main(argv=None):
         check_head_flags(args, cfg, target)
         if not args.no_resume and (args.out_dir / "train_state.pt").is_file():  # before self-distilling
             done = read_train_state(args.out_dir / "train_state.pt", target, args.head)["step"]
-            if done >= cfg.steps:  # the run would train nothing, and save the head it has as if it had
+            saved = (args.out_dir / "model.safetensors").is_file()  # (a run stopped at its last save: not yet)
+            if done > cfg.steps or done == cfg.steps and saved:  # nothing to train: the head would be saved as is
                 raise EagletError(f"{args.out_dir / 'train_state.pt'} has trained {done} steps, and --steps asks for "
                                   f"{cfg.steps}: give more --steps to go on, --no_resume to start over, or another "
                                   "--out_dir")

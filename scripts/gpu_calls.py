@@ -28,7 +28,7 @@ ENV = ("import platform, torch; print('python', platform.python_version(), 'torc
 
 STEP_MARGIN_S = 15  # of a step's limit, for its imports, CUDA's start and its last writes
 
-# speed_ab's rows, the cycle's graphs A/B first (a row starting late in the budget is cut); GPU round 6 measured the
+# speed_ab's rows, the cycle's graphs A/B first (a row that would end past the budget is skipped); GPU round 6 measured the
 # plain rows and eagle2/trees/draft_vocab alone (BENCHMARKS.md), which comes again here as the A/B's other half
 SPEED_ROWS = ("eagle2/trees/draft_vocab,eagle2/captured/draft_vocab,eagle2/captured/draft_vocab/split,"
               "eagle2/trees/whole")

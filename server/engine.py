@@ -348,8 +348,8 @@ def scored(tokenizer, vocab: int, job: Job, first: int, tokens: list) -> list:
     counts it), its bytes are empty."""
     if job.sampling.logprobs < 0:
         return []
-    own = lambda t: b"" if t in tokenizer.eos_ids else token_bytes(tokenizer, vocab, t)  # noqa: E731
-    return [(own(t), logprob, [(token_bytes(tokenizer, vocab, i), p) for i, p in top])
+    own = lambda t: b"" if job.ignore_eos and t in tokenizer.eos_ids else token_bytes(tokenizer, vocab, t)  # noqa: E731
+    return [(own(t), logprob, [(own(i), p) for i, p in top])
             for t, (logprob, top) in zip(tokens, job.scores[first:]) if job.ignore_eos or t not in tokenizer.eos_ids]
 
 

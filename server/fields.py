@@ -89,7 +89,7 @@ def logprobs_of(body: dict, chat: bool) -> int:
 def logit_bias_of(body: dict) -> dict:
     """OpenAI's logit_bias: token ids (as JSON keys, text) to biases from -100 to 100, as {id: bias}."""
     bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias) or not all(
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in bias) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
         raise ApiError(400, "logit_bias must map token ids to numbers from -100 to 100", "logit_bias")
     return {int(k): float(v) for k, v in bias.items()}
@@ -190,9 +190,7 @@ def model_of(body: dict, model_ids: list):
 
 def one_call_of(body: dict) -> bool:
     """parallel_tool_calls false: the reply's first call only."""
-    if body.get("parallel_tool_calls") not in (None, True, False):
-        raise ApiError(400, "parallel_tool_calls must be true or false", "parallel_tool_calls")
-    return body.get("parallel_tool_calls") is False
+    return not flag_of(body, "parallel_tool_calls", True)
 
 
 def flag_of(body: dict, name: str, default: bool) -> bool:
@@ -226,13 +224,11 @@ def max_tokens_of(body: dict, echo: bool = False) -> tuple:
 def echo_of(body: dict, chat: bool) -> tuple:
     """(echo: a completion's reply starts with its prompt, scored with logprobs; vLLM's prompt_logprobs k or None).
     Both come from the prompt's own prefill and are answered whole (a stream of them is refused)."""
-    echo, k = body.get("echo"), number(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
-    if echo not in (None, True, False):
-        raise ApiError(400, "echo must be true or false", "echo")
+    echo, k = flag_of(body, "echo", False), number(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
     if echo and chat:
         raise ApiError(400, "echo is for /v1/completions", "echo")
     for name, given in (("echo", echo), ("prompt_logprobs", k is not None)):
-        if given and body.get("stream"):
+        if given and flag_of(body, "stream", False):
             raise ApiError(400, f"{name} is answered whole: leave out stream", name)
     return echo is True, k
 
@@ -260,7 +256,7 @@ def stream_of(body: dict) -> tuple:
         raise ApiError(400, "stream_options must be an object", "stream_options")
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
-    return stream, bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    return stream, flag_of(options, "include_usage", False), flag_of(options, "continuous_usage_stats", False)
 
 
 def fits_queue(choices: int, max_queue: int):
@@ -277,10 +273,7 @@ def one_grammar(body: dict, calls: Optional[list]):
 
 
 def separate_reasoning_of(body: dict) -> Optional[bool]:
-    separate = body.get("separate_reasoning")
-    if separate not in (None, True, False):
-        raise ApiError(400, "separate_reasoning must be true or false", "separate_reasoning")
-    return separate
+    return flag_of(body, "separate_reasoning", None)
 
 
 def template_kwargs_of(body: dict) -> dict:

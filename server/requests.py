@@ -171,6 +171,8 @@ class Requests:
             return self.compiled(grammar, thinking)
         except EagletError as e:
             raise ApiError(400, str(e), "tools", "invalid_grammar")
+        except RecursionError:  # (the body's own nesting is bounded by the JSON reader's: a schema's, a bit less)
+            raise ApiError(400, "a tool's parameters schema is nested too deeply", "tools", "invalid_grammar")
 
     def prompts_of(self, prompt) -> list:
         """A completion's prompt as token lists (fields.prompts_of: OpenAI's four shapes); several prompts are

@@ -224,6 +224,12 @@ BAD = [  # (path, body or raw bytes, status, param, words in the message)
     ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 30}, 400, "max_tokens", "between"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "logit_bias", "token ids"),  # isdigit()
     ("/v1/completions", {"prompt": "x", "logit_bias": {"\u0661": 5}}, 400, "logit_bias", "token ids"),  # int() reads 1
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 5}}, 400, "logit_bias", "token ids"),  # int()'s limit
+    ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo", "true or false"),  # 1 == True, yet not `is True`
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "false"}}, 400,
+     "include_usage", "true or false"),  # a truthy string
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": 0}, 400,
+     "parallel_tool_calls", "true or false"),
     ("/v1/completions", b"[" * 200000 + b"]" * 200000, 400, None, "nested too deeply"),
     ("/v1/completions", b'{"prompt": "abc \\ud800 def"}', 400, None, "not Unicode"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, None, "not Unicode"),
@@ -899,9 +905,12 @@ def test_with_ignore_eos_every_reply_token_has_its_logprobs_entry():
     scores = [(-0.5, [(eos, -0.5)]), (-1.0, [(word, -1.0)]), (-0.25, [(eos, -0.25)])]
     for ignore_eos in (True, False):
         job = SimpleNamespace(sampling=SamplingConfig(logprobs=1), scores=scores, ignore_eos=ignore_eos)
-        entries = [(text, logprob) for text, logprob, _ in scored(tokenizer, 4096, job, 0, [eos, word, eos])]
+        scores_of = scored(tokenizer, 4096, job, 0, [eos, word, eos])
+        entries = [(text, logprob) for text, logprob, _ in scores_of]
         x = tokenizer.decode([word]).encode()
         assert entries == ([(b"", -0.5), (x, -1.0), (b"", -0.25)] if ignore_eos else [(x, -1.0)])
+        if ignore_eos:  # an EOS among the alternatives is named as the chosen EOS is: one name a token
+            assert scores_of[0][2] == [(b"", -0.5)]
 
 
 def test_echo_and_prompt_logprobs_score_the_prompt_as_a_forward_does(client, reference):

@@ -117,6 +117,9 @@ def test_cli_self_distillation_on_question_files_and_resume(checkpoints, tmp_pat
     expect_error(argv + ["--steps", "7"], f"{head / 'train_state.pt'} has trained 10 steps, and --steps asks for 7",
                  main=train_draft.main)
     assert replies_written == [] and (head / "model.safetensors").read_bytes() == saved
+    (head / "model.safetensors").unlink()  # a run stopped in its last save: the same command writes the head
+    train_draft.main(argv + ["--steps", "10"])
+    assert (head / "model.safetensors").read_bytes() == saved
 
 
 def test_chat_examples_mask_only_the_assistant(checkpoints):
