@@ -489,6 +489,12 @@ class Transformer(nn.Module):
         if quantize:
             with torch.device("meta"):
                 quantize.use_quantized_linears(model, state_dict)  # a quantized lm_head is its own copy, no longer tied
+        expected = model.state_dict()  # (on the meta device: names and dtypes only)
+        whole = [n for n, t in state_dict.items() if n in expected and expected[n].is_floating_point()
+                 and isinstance(t, Tensor) and not t.is_floating_point()]
+        if whole:  # load_state_dict would blame the shapes, which agree
+            raise EagletError(f"{where}: {whole[0]} holds {state_dict[whole[0]].dtype} values where the model's weights "
+                              "are floating point: the file was made wrong")
         try:
             model.load_state_dict(state_dict, assign=True)
         except RuntimeError as e:

@@ -89,6 +89,8 @@ def w(checkpoints, tmp_path_factory):
     write_eagle_head(ns.hf_head, random_head_weights(64, 4, 4, 96, 96), head_config(64, 4, 4, 96, 96))
     ns.not_object = broken("not_object", lambda p: (p / "config.json").write_text("[1, 2]"))
     ns.not_dict = broken("not_dict", lambda p: torch.save([torch.zeros(2)], p / "model.pth"))
+    ns.int_norm = broken("int_norm", lambda p: torch.save({**torch.load(p / "model.pth", weights_only=True),
+                                                           "norm.weight": torch.ones(64, dtype=torch.int32)}, p / "model.pth"))
     ns.eos = broken("eos", lambda p: set_config(p, eos_token_id=[2, 999999]))
     ns.nan = broken("nan", lambda p: with_weight(p / "model.pth", "layers.0.attention.wqkv.weight", float("nan")))
     ns.head_inf = copy_head(ns.head, root / "head_inf", lambda p: with_weight(p / "draft.pth", "fc.weight", float("inf")))
@@ -139,6 +141,8 @@ MISTAKES = {  # id: (tool, argv from the fixture, what the one line must say)
     "quantization record damaged": ("generate", lambda w: gen(w, ckpt="bad_record"),
                                     "its quantization record is damaged"),
     "weights truncated": ("generate", lambda w: gen(w, ckpt="truncated"), "cannot read"),
+    "weights of integers": ("generate", lambda w: gen(w, ckpt="int_norm"),
+                            "norm.weight holds torch.int32 values where the model's weights are floating point"),
     "config eos past the tokenizer": ("generate", lambda w: gen(w, ckpt="eos"),
                                       "eos_token_id 999999 is not a token id of the tokenizer (96 tokens)"),
     "weights holding a NaN": ("generate", lambda w: gen(w, ckpt="nan"),
