@@ -386,9 +386,9 @@ def convert(checkpoint_dir, log=print, overwrite: bool = False, out_dir=None, de
     out_path = output_path(out_dir / "model.pth", "int4", hub_int4.groupsize) if hub_int4 else \
         out_dir / ("model.pth" if is_target else "draft.pth")
     # in place, an earlier conversion is ours to replace; a file of that name that is no PyTorch checkpoint is not
-    ours = in_place and not hub_int4 and out_path.is_file() and is_torch_archive(out_path)
-    foreign = in_place and not hub_int4 and out_path.is_file() and not ours
-    refuse_existing(out_path, overwrite or ours, " and is not a PyTorch checkpoint" if foreign else "")
+    replaceable = in_place and not hub_int4 and out_path.is_file()
+    ours = replaceable and is_torch_archive(out_path)
+    refuse_existing(out_path, overwrite or ours, " and is not a PyTorch checkpoint" if replaceable and not ours else "")
     copies = [] if in_place else files_to_copy(checkpoint_dir, out_dir, overwrite, log)
     make_folder(out_dir)
     try:

@@ -123,6 +123,11 @@ def one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def engine_error(matcher) -> str:
+    """llguidance's error, its first line: the rest is the engine's state, the whole grammar at times."""
+    return (matcher.get_error().splitlines() or [""])[0][:500]
+
+
 class Constraint:
     """One generation's grammar state: which tokens may come next, the tokens it has taken, and the pick."""
 
@@ -143,8 +148,8 @@ class Constraint:
         if allowed and not self.matcher.is_error() and not self.matcher.is_stopped():
             probe.consume_token(next((t for t in allowed if not tokens.is_special_token(t)), allowed[0]))
         for matcher in (self.matcher, probe):
-            if matcher.is_error():  # the engine's first line: the rest is its state, the whole grammar at times
-                first = matcher.get_error().splitlines()[0][:500]
+            if matcher.is_error():
+                first = engine_error(matcher)
                 raise EagletError("the grammar cannot be used: " + (
                     "no token starts a text it matches" if first == "NoExtensionBias" else first))
 
@@ -183,7 +188,7 @@ class Constraint:
                 return n
             if not self.matcher.consume_token(token):
                 raise EagletError("the grammar engine refused a token its mask allowed: "
-                                  f"{self.matcher.get_error().splitlines()[0][:500]}")
+                                  f"{engine_error(self.matcher)}")
         return len(tokens)
 
     def forced(self, limit: int) -> list:
@@ -198,7 +203,7 @@ class Constraint:
             token = int(allowed.nonzero()[0])
             if not self.matcher.consume_token(token):
                 raise EagletError("the grammar engine refused the token it forced: "
-                                  f"{self.matcher.get_error().splitlines()[0][:500]}")
+                                  f"{engine_error(self.matcher)}")
             run.append(token)
         if len(run) < max(self.forced_min, 1):
             self.matcher.rollback(len(run))
@@ -215,7 +220,7 @@ class Constraint:
         allowed = self.allowed(logits.device)
         if not bool(allowed.any()):
             raise EagletError("the grammar allows no token here (the grammar engine's state is "
-                              f"{(self.matcher.get_error() or 'stopped').splitlines()[0][:500]})")
+                              f"{engine_error(self.matcher) or 'stopped'})")
         if sampling.temperature == 0:
             return logits.float().masked_fill(~allowed, float("-inf")).argmax(-1)
         probs = logits_to_probs(logits, sampling) * allowed

@@ -20,7 +20,7 @@ from chat import encode_prompts
 from cli import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ABOVE, PRECISION_NAMES, torchrun_rank
 from draft_tree import STATIC_CHOICES, StaticTree
 from decode import TreeConfig, prefill_chunk_of
-from sampling import SamplingConfig
+from sampling import SamplingConfig, is_token_id
 from draft import DRAFT_WINDOW, DraftHead, Eagle3Draft, EagleDraft, head_name
 from draft_model import DraftModel, check_draft_model
 from lookup import NgramLookup
@@ -75,11 +75,11 @@ def check_finite(model: torch.nn.Module, path):
     # in pieces: on a CPU a float32 sum of a bf16 tensor makes a float32 copy of it first
     sums = [torch.stack([c.sum(dtype=torch.float32) for c in t.reshape(-1).split(1 << 24)]).sum() for _, t in named]
     finite = torch.stack(sums).isfinite().tolist()
-    bad = [n for (n, _), ok in zip(named, finite) if not ok]
+    bad = [(n, t) for (n, t), ok in zip(named, finite) if not ok]
     if bad:
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise EagletError(f"{path}: {bad[0]} holds values that are not finite (NaN or inf){more} in "
-                          f"{named[0][1].dtype}: the file is corrupt or was made wrong, or holds values too large for "
+        raise EagletError(f"{path}: {bad[0][0]} holds values that are not finite (NaN or inf){more} in "
+                          f"{bad[0][1].dtype}: the file is corrupt or was made wrong, or holds values too large for "
                           "this precision")
 
 
@@ -300,7 +300,7 @@ def load(checkpoint_path, *, draft_checkpoint_path=None, draft_model=None, ngram
 def logit_bias_of(bias: Optional[dict]) -> dict:
     """--logit_bias's JSON object as {token id: bias}: its keys (JSON's are text) token ids, its values numbers."""
     bias = bias or {}
-    if not all(str(k).isascii() and str(k).isdigit() and len(str(k)) <= 10 and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
+    if not all(is_token_id(str(k)) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in bias.items()):
         raise EagletError(f"--logit_bias maps token ids to numbers, e.g. '{{\"13\": -100}}', got {bias}")
     return {int(k): float(v) for k, v in bias.items()}
 

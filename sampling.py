@@ -90,6 +90,12 @@ class SamplingConfig:
                               MAX_TOP_LOGPROBS if self.logprobs >= 0 else -1, history)
 
 
+def is_token_id(text) -> bool:
+    """logit_bias's key naming a token id (JSON's keys are text): ASCII digits, ten at most (int() refuses 4,300, and
+    no vocabulary holds 10**10 tokens; a superscript passes isdigit(), an Arabic-Indic digit int() too)."""
+    return isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 10
+
+
 TENSOR_SETTINGS = tuple(f.name for f in fields(SamplingConfig) if f.metadata.get("tensor"))
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
-from sampling import MAX_TOP_LOGPROBS, SamplingConfig
+from sampling import MAX_TOP_LOGPROBS, SamplingConfig, is_token_id
 
 MAX_CHOICES = 16  # prompts x n of one request
 # Fields that would change the reply and that eaglet does not do -- OpenAI's, then vLLM's, SGLang's, llama.cpp's --
@@ -89,7 +89,7 @@ def logprobs_of(body: dict, chat: bool) -> int:
 def logit_bias_of(body: dict) -> dict:
     """OpenAI's logit_bias: token ids (as JSON keys, text) to biases from -100 to 100, as {id: bias}."""
     bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in bias) or not all(
+    if not isinstance(bias, dict) or not all(map(is_token_id, bias)) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
         raise ApiError(400, "logit_bias must map token ids to numbers from -100 to 100", "logit_bias")
     return {int(k): float(v) for k, v in bias.items()}
